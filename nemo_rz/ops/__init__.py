@@ -1,0 +1,21 @@
+"""The kernel contract: every number that reaches a logprob is computed here.
+
+Each op has a `consistent` form (fixed reduction order, independent of batch size, composition, position,
+padding, decode vs prefill) and a `fast` form (library defaults: the "standard kernels" that REINFORCE Zero is
+compared against, and every equality test's negative control). Select with `set_mode`, the `mode` context
+manager, or the environment variable NEMO_RZ_KERNELS; `consistent` is the default.
+"""
+from nemo_rz.ops.activation import silu_and_mul
+from nemo_rz.ops.aten import batch_invariant
+from nemo_rz.ops.attention import KV_BLOCK, attention
+from nemo_rz.ops.linear import embedding, linear
+from nemo_rz.ops.logprobs import log_softmax, token_logprobs
+from nemo_rz.ops.mode import MODES, get_mode, mode, set_mode
+from nemo_rz.ops.norm import rms_norm
+from nemo_rz.ops.rope import rope
+from nemo_rz.ops.tiles import TILE_ROWS
+
+__all__ = [
+    "MODES", "KV_BLOCK", "TILE_ROWS", "attention", "batch_invariant", "embedding", "get_mode", "linear",
+    "log_softmax", "mode", "rms_norm", "rope", "set_mode", "silu_and_mul", "token_logprobs",
+]

