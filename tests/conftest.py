@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from nemo_rz import ops
+from nemo_rz.generation.packing import pack
 from nemo_rz.models import Decoder, DecoderConfig
 
 
@@ -18,26 +19,14 @@ def tiny_model(seed: int = 0, **overrides) -> Decoder:
     return model.eval()
 
 
-def learner_logprobs(model: Decoder, completions, temperature: float = 1.0) -> list[torch.Tensor]:
-    """The learner's view: completions padded into one [B, T] batch, logprobs of the generated tokens."""
-    seqs = [c.prompt_token_ids + c.token_ids for c in completions]
-    length = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), length, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-    lengths = torch.tensor([len(s) for s in seqs])
-    with torch.no_grad():
-        lp = model.token_logprobs(ids, lengths, temperature)
-    return [lp[i, len(c.prompt_token_ids) - 1 : len(s) - 1] for i, (c, s) in enumerate(zip(completions, seqs))]
-
-
 def count_diff(model, completions, temperature: float = 1.0) -> tuple[int, int]:
-    """(tokens whose rollout and learner logprobs differ bitwise, tokens compared)."""
-    diff = total = 0
-    for c, lp in zip(completions, learner_logprobs(model, completions, temperature)):
-        diff += int((lp != c.logprobs).sum())
-        total += lp.numel()
-    return diff, total
+    """(generated tokens whose rollout and learner logprobs differ bitwise, tokens compared), the learner
+    seeing all completions padded into one [B, T] batch as in training."""
+    batch = pack(completions)
+    with torch.no_grad():
+        lp = model.token_logprobs(batch.input_ids, batch.lengths, temperature)
+    valid = batch.mask.bool()
+    return int((lp[valid] != batch.rollout_logprobs[valid]).sum()), int(valid.sum())
 
 
 @pytest.fixture(autouse=True)

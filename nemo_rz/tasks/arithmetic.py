@@ -1,0 +1,83 @@
+"""Synthetic verifiable tasks: addition, multiplication, reversal of digit strings.
+
+  add{d}     "a+b="     -> str(a + b)     a, b in [0, 10^d)              (add1: 100 problems, add3: 10^6)
+  mul{d}     "a*b="     -> str(a * b)     a in [0, 10^d), b in [0, 10)
+  reverse    "rev s="   -> s reversed     s a digit string of min_len..max_len digits, leading zeros kept
+                                          (answer length follows the input, not the value)
+Each problem is an index into the task's space; train and held-out are disjoint index draws from
+`seed` (base.split_indices), so the same seed always gives the same splits.
+Reward: 1.0 when the completion's text up to EOS equals the answer exactly, else 0.0.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from nemo_rz.tasks.base import Problem, Task, split_indices
+from nemo_rz.tasks.tokenizer import CharTokenizer
+
+
+def exact_match(text: str, answer: str) -> float:
+    """1.0 iff the text is the answer, character for character (no stripping: format is part of the task)."""
+    return 1.0 if text == answer else 0.0
+
+
+def _addition(digits: int) -> tuple[int, Callable[[int], Problem]]:
+    n = 10 ** digits
+
+    def problem(i: int) -> Problem:
+        a, b = divmod(i, n)
+        return Problem(f"{a}+{b}=", str(a + b))
+    return n * n, problem
+
+
+def _multiplication(digits: int) -> tuple[int, Callable[[int], Problem]]:
+    n = 10 ** digits
+
+    def problem(i: int) -> Problem:
+        a, b = divmod(i, 10)
+        return Problem(f"{a}*{b}=", str(a * b))
+    return n * 10, problem
+
+
+def _reverse(min_len: int, max_len: int) -> tuple[int, Callable[[int], Problem]]:
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"reverse task: need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    sizes = [10 ** L for L in range(min_len, max_len + 1)]
+
+    def problem(i: int) -> Problem:
+        for L, size in zip(range(min_len, max_len + 1), sizes):   # index -> (length, value): injective
+            if i < size:
+                s = str(i).zfill(L)
+                return Problem(f"rev {s}=", s[::-1])
+            i -= size
+        raise IndexError(i)
+    return sum(sizes), problem
+
+
+def _make(name: str, space_and_problem, seed: int, n_train, n_heldout, tokenizer) -> Task:
+    space, problem = space_and_problem
+    train_idx, held_idx = split_indices(space, n_train, n_heldout, seed, f"task {name}")
+    return Task(name, [problem(i) for i in train_idx], [problem(i) for i in held_idx],
+                tokenizer or CharTokenizer(), exact_match)
+
+
+def addition(digits: int = 2, seed: int = 0, n_train: int | None = None, n_heldout: int | None = None,
+             tokenizer: CharTokenizer | None = None) -> Task:
+    """d-digit addition ("12+34=" -> "46")."""
+    if digits < 1:
+        raise ValueError(f"addition task: digits must be >= 1, got {digits}")
+    return _make(f"add{digits}", _addition(digits), seed, n_train, n_heldout, tokenizer)
+
+
+def multiplication(digits: int = 1, seed: int = 0, n_train: int | None = None, n_heldout: int | None = None,
+                   tokenizer: CharTokenizer | None = None) -> Task:
+    """d-digit times 1-digit multiplication ("12*3=" -> "36")."""
+    if digits < 1:
+        raise ValueError(f"multiplication task: digits must be >= 1, got {digits}")
+    return _make(f"mul{digits}", _multiplication(digits), seed, n_train, n_heldout, tokenizer)
+
+
+def reverse(min_len: int = 3, max_len: int = 5, seed: int = 0, n_train: int | None = None,
+            n_heldout: int | None = None, tokenizer: CharTokenizer | None = None) -> Task:
+    """Reverse a digit string ("rev 120=" -> "021")."""
+    return _make("reverse", _reverse(min_len, max_len), seed, n_train, n_heldout, tokenizer)

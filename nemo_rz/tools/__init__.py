@@ -1,0 +1,1 @@
+"""Command-line tools: check_mismatch, bisect, report."""

@@ -1,0 +1,389 @@
+"""Triton kernels (nemo_rz.kernels): correctness against float64 and bitwise batch invariance.
+
+On CPU these run under the Triton interpreter (TRITON_INTERPRET=1, set here before Triton is imported);
+with TRITON_INTERPRET=0 and a GPU they run on CUDA. Every invariance check has a negative control that
+changes the reduction order on purpose and must make the same check fail.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from nemo_rz import kernels  # noqa: E402
+from nemo_rz.kernels import window_start  # noqa: E402
+
+pytestmark = pytest.mark.kernels
+
+INTERPRET = os.environ["TRITON_INTERPRET"].strip().lower() in ("1", "true", "on", "yes")
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET is off and no CUDA device", allow_module_level=True)
+DEV = "cpu" if INTERPRET else "cuda"
+RTOL = 1e-5
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=gen(seed)) * scale).to(DEV)
+
+
+def rel_err(out, ref):
+    """Max abs error over max abs reference value (finite entries)."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out))
+    return ((out - ref)[fin].abs().max() / ref[fin].abs().max().clamp_min(1e-30)).item()
+
+
+def rows_identical(fn, x, subsets):
+    """fn(x[idx]) row i == fn(x)[idx[i]] bitwise, for every index list idx in subsets."""
+    full = fn(x)
+    return all(torch.equal(fn(x[idx]), full[idx]) for idx in subsets)
+
+
+def batch_subsets(M, seed=0):
+    g = gen(seed)
+    perm = torch.randperm(M, generator=g)
+    return [
+        torch.tensor([0]), torch.tensor([M - 1]), torch.arange(3, 6), torch.arange(1, M),
+        perm, perm[: M // 2 + 1], torch.tensor([M - 1] + list(range(M - 1))),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- window
+def test_window_start_int_and_tensor():
+    assert window_start(5, None) == 0
+    assert window_start(5, 3) == 3 and window_start(1, 3) == 0 and window_start(2, 3) == 0
+    assert window_start(7, 1) == 7
+    p = torch.arange(8)
+    assert torch.equal(window_start(p, 3), torch.tensor([0, 0, 0, 1, 2, 3, 4, 5]))
+    assert torch.equal(window_start(p, None), torch.zeros(8, dtype=torch.long))
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="window"):
+            window_start(3, bad)
+
+
+def test_package_import_does_not_import_triton():
+    code = "import sys, nemo_rz.kernels as k; k.window_start(3, 2); assert 'triton' not in sys.modules"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+# ---------------------------------------------------------------------------------------------- matmul
+def test_linear_matches_float64():
+    for (M, N, K), bias in (((37, 200, 130), True), ((5, 96, 80), False), ((1, 17, 33), True)):
+        x, w = randn(M, K, seed=1), randn(N, K, seed=2)
+        b = randn(N, seed=3) if bias else None
+        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        assert rel_err(kernels.linear(x, w, b), ref) < RTOL
+
+
+def test_tile_config_ignores_m():
+    import inspect
+
+    from nemo_rz.kernels.matmul import tile_config
+
+    assert list(inspect.signature(tile_config).parameters) == ["dtype", "N", "K"]
+
+
+def test_linear_batch_invariant_and_controls():
+    from nemo_rz.kernels.matmul import TileConfig, _linear, tile_config
+
+    M, N, K = 300, 64, 96  # three 128-row tiles
+    x, w, b = randn(M, K, seed=4), randn(N, K, seed=5), randn(N, seed=6)
+    subsets = batch_subsets(M)
+    assert rows_identical(lambda a: kernels.linear(a, w, b), x, subsets)
+
+    # control 1: a tile config that looks at M (a smaller K block for small batches) changes the order
+    def by_m(dtype, n, k, m):
+        good = tile_config(dtype, n, k)
+        return TileConfig(good.block_m, good.block_n, 16 if m < 64 else good.block_k)
+
+    assert not rows_identical(lambda a: _linear(a, w, b, by_m), x, subsets)
+
+    # control 2: split-K (two K halves reduced separately, then summed) differs from the one-pass kernel
+    h = K // 2
+    split = kernels.linear(x[:, :h].contiguous(), w[:, :h].contiguous(), b) + kernels.linear(
+        x[:, h:].contiguous(), w[:, h:].contiguous()
+    )
+    assert not torch.equal(split, kernels.linear(x, w, b))
+
+
+def test_linear_strided_rows():
+    x, w = randn(20, 64, seed=7), randn(48, 32, seed=8)
+    view = x[:, 16:48]  # row stride 64, last dim contiguous
+    assert torch.equal(kernels.linear(view, w), kernels.linear(view.contiguous(), w))
+
+
+def test_linear_validation():
+    x, w = randn(4, 8), randn(6, 8)
+    with pytest.raises(ValueError, match="but weight is"):
+        kernels.linear(x, randn(6, 9))
+    with pytest.raises(ValueError, match="linear: weight dtype"):
+        kernels.linear(x, w.double())
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        kernels.linear(x, randn(8, 6).t())
+    with pytest.raises(ValueError, match="2-D"):
+        kernels.linear(x[None], w)
+    with pytest.raises(ValueError, match="bias must be"):
+        kernels.linear(x, w, randn(5))
+
+
+def test_cpu_tensors_need_interpreter(monkeypatch):
+    if not INTERPRET:
+        pytest.skip("interpreter not in use")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        kernels.linear(randn(4, 8), randn(6, 8))
+
+
+# ---------------------------------------------------------------------------------------------- rmsnorm
+def rms_ref(x, w, eps):
+    xd = x.double()
+    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def test_rms_norm_matches_float64_and_is_invariant():
+    for H in (200, 5000):  # one masked block; two blocks of 4096
+        x, w = randn(9, H, seed=10, scale=3.0), randn(H, seed=11)
+        assert rel_err(kernels.rms_norm(x, w, 1e-6), rms_ref(x, w, 1e-6)) < RTOL
+        assert rows_identical(lambda a: kernels.rms_norm(a, w, 1e-6), x, batch_subsets(9))
+
+
+def test_rms_norm_control_block_size_changes_bits():
+    # The check can fail: a different H block (what an M-dependent choice would do) changes the sum order.
+    from nemo_rz.kernels import rmsnorm
+
+    x = randn(16, 5000, seed=12) * torch.exp(2 * randn(16, 5000, seed=14))  # wide range: rounding shows
+    w = randn(5000, seed=13)
+    ref = kernels.rms_norm(x, w, 1e-6)
+    y = torch.empty_like(x)
+    rmsnorm._rms_norm_kernel[(16,)](x, w, y, 5000, x.stride(0), 1e-6, BLOCK_H=1024)
+    assert rel_err(y, ref) < RTOL and not torch.equal(y, ref)
+
+
+def test_rms_norm_validation():
+    with pytest.raises(ValueError, match="rms_norm: weight is"):
+        kernels.rms_norm(randn(3, 8), randn(7), 1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        kernels.rms_norm(randn(3, 8), randn(8), -1.0)
+
+
+# ---------------------------------------------------------------------------------------------- silu
+def test_silu_and_mul_matches_float64_and_is_invariant():
+    g, u = randn(11, 3000, seed=20, scale=4.0), randn(11, 3000, seed=21)
+    gd = g.double()
+    assert rel_err(kernels.silu_and_mul(g, u), gd / (1 + torch.exp(-gd)) * u.double()) < RTOL
+    subsets = batch_subsets(11)
+    full = kernels.silu_and_mul(g, u)
+    assert all(torch.equal(kernels.silu_and_mul(g[i], u[i]), full[i]) for i in subsets)
+    big = torch.full((1, 8), 1e4, device=DEV)  # exp(-gate) underflow / overflow stay finite
+    assert torch.isfinite(kernels.silu_and_mul(torch.cat([big, -big]), torch.ones(2, 8, device=DEV))).all()
+
+
+def test_silu_and_mul_validation():
+    with pytest.raises(ValueError, match="must match gate"):
+        kernels.silu_and_mul(randn(3, 8), randn(3, 9))
+
+
+# ---------------------------------------------------------------------------------------------- logprobs
+def test_logprobs_match_float64():
+    M, V, T = 12, 5000, 0.7
+    logits = randn(M, V, seed=30, scale=4.0)
+    logits[1, :4200] = float("-inf")  # a whole first block masked
+    logits[2, ::3] = float("-inf")
+    targets = torch.randint(0, V, (M,), generator=gen(31)).to(DEV)
+    targets[1] = 4500
+    ref = torch.log_softmax(logits.double() / T, dim=-1)
+    ls = kernels.log_softmax(logits, T)
+    assert ls.dtype == torch.float32 and rel_err(ls, ref) < RTOL
+    lp = kernels.token_logprobs(logits, targets, T)
+    ref_lp = ref.gather(1, targets[:, None].cpu())[:, 0]
+    assert lp.dtype == torch.float32
+    assert ((lp.double().cpu() - ref_lp).abs() / ref_lp.abs().clamp_min(1.0)).max().item() < RTOL
+    # the two entry points share the per-row arithmetic exactly
+    assert torch.equal(lp, ls.gather(1, targets[:, None])[:, 0])
+
+
+def test_logprobs_batch_invariant_and_control():
+    from nemo_rz.kernels.logprobs import token_logprobs as tlp
+
+    M, V = 24, 5000
+    logits = randn(M, V, seed=32, scale=3.0)
+    targets = torch.randint(0, V, (M,), generator=gen(33)).to(DEV)
+    # likely targets (logprob near 0, as most sampled tokens are) make the sum's last bits visible
+    logits[torch.arange(M), targets] += torch.linspace(0, 20, M, device=DEV)
+    full = kernels.token_logprobs(logits, targets, 1.0)
+    subsets = batch_subsets(M)
+    assert all(torch.equal(kernels.token_logprobs(logits[i], targets[i], 1.0), full[i]) for i in subsets)
+    assert rows_identical(lambda a: kernels.log_softmax(a, 1.3), logits, subsets[:3])
+    # control: a block size chosen by M (small batches: 512) changes the sum order and the bits
+    by_m = lambda i: tlp(logits[i], targets[i], 1.0, _block_v=512 if len(i) < 8 else None)  # noqa: E731
+    assert not all(torch.equal(by_m(i), full[i]) for i in subsets)
+
+
+def test_logprobs_bad_target_is_nan_and_validation():
+    logits = randn(2, 50, seed=34)
+    lp = kernels.token_logprobs(logits, torch.tensor([3, 50], device=DEV), 1.0)
+    assert torch.isfinite(lp[0]) and torch.isnan(lp[1])
+    with pytest.raises(ValueError, match="temperature"):
+        kernels.token_logprobs(logits, torch.tensor([0, 1], device=DEV), 0.0)
+    with pytest.raises(ValueError, match="targets dtype"):
+        kernels.token_logprobs(logits, torch.tensor([0.0, 1.0], device=DEV), 1.0)
+    with pytest.raises(ValueError, match="targets is"):
+        kernels.token_logprobs(logits, torch.tensor([0], device=DEV), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+H, HKV, D, L = 4, 2, 16, 96
+LENS = (45, 20, 70)  # 135 query tokens; up to 3 KV blocks of 32
+SCALE = D ** -0.5
+
+
+def make_cache(seed=40):
+    k = torch.full((len(LENS), HKV, L, D), float("nan"))
+    v = torch.full_like(k, float("nan"))  # unwritten slots are NaN: any read of them would show
+    for s, n in enumerate(LENS):
+        k[s, :, :n] = torch.randn(HKV, n, D, generator=gen(seed + s))
+        v[s, :, :n] = torch.randn(HKV, n, D, generator=gen(seed + 10 + s))
+    return k.to(DEV), v.to(DEV)
+
+
+def all_queries(seed=50):
+    seq = torch.cat([torch.full((n,), s) for s, n in enumerate(LENS)])
+    pos = torch.cat([torch.arange(n) for n in LENS])
+    q = torch.randn(len(seq), H, D, generator=gen(seed))
+    return q.to(DEV), seq.to(DEV), pos.to(DEV)
+
+
+def attention_ref(q, k, v, seq, pos, window):
+    out = torch.empty(q.shape, dtype=torch.float64)
+    q, k, v, seq, pos = (t.cpu() for t in (q, k, v, seq, pos))
+    for i in range(q.shape[0]):
+        s, p = int(seq[i]), int(pos[i])
+        lo = window_start(p, window)
+        kk = k[s, :, lo : p + 1].double().repeat_interleave(H // HKV, 0)  # [H, n, D]
+        vv = v[s, :, lo : p + 1].double().repeat_interleave(H // HKV, 0)
+        w = torch.softmax(torch.einsum("hd,hnd->hn", q[i].double(), kk) * SCALE, -1)
+        out[i] = torch.einsum("hn,hnd->hd", w, vv)
+    return out
+
+
+def paged(k, v, page, seed=60):
+    """Copy a contiguous cache into shuffled pages of `page` slots; return caches and block table."""
+    per_seq = -(-L // page)
+    nblocks = len(LENS) * per_seq + 3
+    order = torch.randperm(nblocks, generator=gen(seed))[: len(LENS) * per_seq].view(len(LENS), per_seq)
+    kp = torch.full((nblocks, HKV, page, D), float("nan"), device=DEV)
+    vp = kp.clone()
+    for s in range(len(LENS)):
+        for j in range(per_seq):
+            n = min(page, L - j * page)
+            kp[order[s, j], :, :n] = k[s, :, j * page : j * page + n]
+            vp[order[s, j], :, :n] = v[s, :, j * page : j * page + n]
+    return kp, vp, order.to(torch.int32).to(DEV)
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    k, v = make_cache()
+    q, seq, pos = all_queries()
+    return k, v, q, seq, pos, kernels.attention(q, k, v, seq, pos, SCALE)
+
+
+def test_attention_matches_float64(prefill):
+    k, v, q, seq, pos, out = prefill
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert rel_err(out, attention_ref(q, k, v, seq, pos, None)) < RTOL
+
+
+def test_attention_decode_equals_prefill(prefill):
+    k, v, q, seq, pos, out = prefill
+    starts = torch.tensor([0, *torch.cumsum(torch.tensor(LENS), 0)[:-1].tolist()])
+    picks = [int(starts[s]) + p for s, n in enumerate(LENS) for p in (0, 31, 32, 33, n - 1)]
+    for i in picks:  # one query alone, its cache holding only positions <= p
+        kd, vd = k.clone(), v.clone()
+        kd[int(seq[i]), :, int(pos[i]) + 1 :] = float("nan")
+        vd[int(seq[i]), :, int(pos[i]) + 1 :] = float("nan")
+        one = kernels.attention(q[i : i + 1], kd, vd, seq[i : i + 1], pos[i : i + 1], SCALE)
+        assert torch.equal(one[0], out[i]), i
+    idx = torch.tensor(picks[::-1][:7])  # a batched decode step in another order
+    assert torch.equal(kernels.attention(q[idx], k, v, seq[idx], pos[idx], SCALE), out[idx])
+
+
+def test_attention_chunked_prefill_and_any_batch_order(prefill):
+    k, v, q, seq, pos, out = prefill
+    chunks = [torch.arange(a, min(a + 17, len(seq))) for a in range(0, len(seq), 17)]  # cuts across sequences
+    got = torch.cat([kernels.attention(q[c], k, v, seq[c], pos[c], SCALE) for c in chunks])
+    assert torch.equal(got, out)
+    some = torch.randperm(len(seq), generator=gen(70))[:40]  # another batch composition and order
+    assert torch.equal(kernels.attention(q[some], k, v, seq[some], pos[some], SCALE), out[some])
+
+
+def test_attention_paged_equals_contiguous(prefill):
+    k, v, q, seq, pos, out = prefill
+    kp, vp, table = paged(k, v, 24)  # 24 slots per page: some KV blocks span two pages
+    assert torch.equal(kernels.attention(q, kp, vp, seq, pos, SCALE, block_table=table), out)
+
+
+def test_attention_sliding_window(prefill):
+    k, v, q, seq, pos, _ = prefill
+    win = 20
+    out = kernels.attention(q, k, v, seq, pos, SCALE, window=win)
+    assert rel_err(out, attention_ref(q, k, v, seq, pos, win)) < RTOL
+    i = LENS[0] - 1  # decode of the last token of sequence 0, with the keys before its window poisoned
+    kd = k.clone()
+    kd[0, :, : window_start(i, win)] = float("nan")
+    assert torch.equal(kernels.attention(q[i : i + 1], kd, v, seq[i : i + 1], pos[i : i + 1], SCALE, win)[0], out[i])
+    kp, vp, table = paged(k, v, 16)
+    assert torch.equal(kernels.attention(q, kp, vp, seq, pos, SCALE, window=win, block_table=table), out)
+
+
+def test_attention_mha_and_strided_q():
+    k, v = make_cache(seed=80)
+    q, seq, pos = all_queries(seed=81)
+    some = torch.randperm(len(seq), generator=gen(82))[:24]
+    q, seq, pos = q[some], seq[some], pos[some]
+    kk, vv = k[:, :1].repeat(1, H, 1, 1).contiguous(), v[:, :1].repeat(1, H, 1, 1).contiguous()  # Hkv == H
+    qkv = torch.cat([q, q], dim=2)  # q as a strided view, as from a fused qkv projection
+    out = kernels.attention(qkv[:, :, :D], kk, vv, seq, pos, SCALE)
+    assert torch.equal(out, kernels.attention(q, kk, vv, seq, pos, SCALE))
+    ref = attention_ref(q, k[:, :1].repeat(1, HKV, 1, 1), v[:, :1].repeat(1, HKV, 1, 1), seq, pos, None)
+    assert rel_err(out, ref) < RTOL
+
+
+def test_attention_control_kv_block_differs(prefill):
+    # The decode==prefill check can fail: a decode kernel with another KV split size gives other bits.
+    from nemo_rz.kernels.attention import KV_BLOCK, _attention
+
+    k, v, q, seq, pos, out = prefill
+    idx = torch.tensor([30, 44, 100, 134])  # positions >= 16: more than one block of 16
+    dec = _attention(q[idx], k, v, seq[idx], pos[idx], SCALE, None, None, KV_BLOCK // 2)
+    assert rel_err(dec, out[idx]) < RTOL
+    assert not torch.equal(dec, out[idx])
+
+
+def test_attention_validation():
+    k, v = make_cache()
+    q, seq, pos = all_queries()
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        kernels.attention(q[:, :3].contiguous(), k, v, seq, pos, SCALE)
+    with pytest.raises(ValueError, match="head dim"):
+        kernels.attention(q[..., :8].contiguous(), k, v, seq, pos, SCALE)
+    with pytest.raises(ValueError, match="seq_idx dtype"):
+        kernels.attention(q, k, v, seq.float(), pos, SCALE)
+    with pytest.raises(ValueError, match="must have Nq"):
+        kernels.attention(q, k, v, seq[:3], pos, SCALE)
+    with pytest.raises(ValueError, match="window"):
+        kernels.attention(q, k, v, seq, pos, SCALE, window=0)
+    with pytest.raises(ValueError, match="k_cache must be contiguous"):
+        kernels.attention(q, k.transpose(1, 2), v.transpose(1, 2), seq, pos, SCALE)

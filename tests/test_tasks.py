@@ -1,0 +1,187 @@
+"""Tokenizer, synthetic tasks, JSONL datasets, verifiers and reward plumbing."""
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from nemo_rz.tasks import TASKS, CharTokenizer, evaluate_pass_at_1, jsonl_task, load_jsonl, make_task, safe_reward
+from nemo_rz.tasks.jsonl import exact, numeric
+from nemo_rz.tasks.tokenizer import DEFAULT_CHARS
+
+TOK = CharTokenizer()
+
+
+# ---------------------------------------------------------------- tokenizer
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(alphabet=DEFAULT_CHARS, max_size=30))
+def test_tokenizer_round_trip(s):
+    ids = TOK.encode(s)
+    assert len(ids) == len(s) and all(3 <= i < TOK.vocab_size for i in ids)
+    assert TOK.decode(ids) == s
+    assert TOK.decode(TOK.encode(s, bos=True, eos=True)) == s
+
+
+def test_tokenizer_ids_and_specials():
+    assert (TOK.pad_id, TOK.bos_id, TOK.eos_id) == (0, 1, 2)
+    assert TOK.vocab_size == 3 + len(DEFAULT_CHARS)
+    assert TOK.encode("0") == [3] and TOK.encode("12+3=") == [4, 5, 13, 6, 16]   # fixed: never data-dependent
+    assert TOK.encode("1", bos=True, eos=True) == [1, 4, 2]
+    # decode skips PAD/BOS and stops at the first EOS (or skips EOS when asked not to stop)
+    assert TOK.decode([1, 4, 0, 5, 2, 6]) == "12"
+    assert TOK.decode([4, 2, 6], stop_at_eos=False) == "13"
+
+
+def test_tokenizer_errors():
+    with pytest.raises(ValueError, match=r"unknown character '\?' at position 2 of '12\?'"):
+        TOK.encode("12?")
+    with pytest.raises(ValueError, match="token id 99 at position 1"):
+        TOK.decode([4, 99])
+    with pytest.raises(ValueError, match="appears twice"):
+        CharTokenizer("abca")
+
+
+# ---------------------------------------------------------------- synthetic tasks
+
+@pytest.mark.parametrize("name", ["add1", "add2", "add3", "mul1", "mul2", "reverse"])
+def test_splits_disjoint_deterministic(name):
+    kw = {"n_train": 2000, "n_heldout": 200} if name in ("add3", "reverse") else {}
+    a, b, c = make_task(name, seed=1, **kw), make_task(name, seed=1, **kw), make_task(name, seed=2, **kw)
+    train, held = {p.prompt for p in a.train}, {p.prompt for p in a.heldout}
+    assert len(train) == len(a.train) and len(held) == len(a.heldout) > 0     # no duplicates
+    assert not train & held                                                   # held-out disjoint from train
+    assert a.train == b.train and a.heldout == b.heldout                      # same seed -> same splits
+    assert a.heldout != c.heldout                                             # another seed -> other splits
+
+
+def test_answers_are_right():
+    for name in ("add1", "add2", "mul1", "mul2"):
+        task = make_task(name)
+        for p in task.train[:200] + task.heldout:
+            assert p.prompt.endswith("=") and str(eval(p.prompt[:-1])) == p.answer
+    task = make_task("reverse", min_len=2, max_len=3)
+    lengths = set()
+    for p in task.train + task.heldout:
+        s = p.prompt[len("rev "):-1]
+        assert p.answer == s[::-1] and len(s) in (2, 3)
+        lengths.add(len(s))
+    assert lengths == {2, 3}
+    assert len(task.train) + len(task.heldout) == 100 + 1000   # every 2- and 3-digit string (defaults take all)
+    assert make_task("add1").tokenizer.vocab_size == TOK.vocab_size
+
+
+def test_verifier_exact_match_up_to_eos():
+    task = make_task("add1")
+    ans = "14"
+    good = task.encode_answer(ans)
+    assert good == TOK.encode("14") + [TOK.eos_id]
+    assert task.reward(good, ans) == 1.0
+    assert task.reward(good + TOK.encode("99"), ans) == 1.0          # what follows EOS is ignored
+    assert task.reward(TOK.encode("14"), ans) == 0.0                  # no EOS: out of budget earns 0
+    assert task.reward(TOK.encode("15") + [TOK.eos_id], ans) == 0.0
+    assert task.reward(TOK.encode("140") + [TOK.eos_id], ans) == 0.0  # exact, not prefix
+    assert task.reward(TOK.encode(" 14") + [TOK.eos_id], ans) == 0.0  # format counts
+    assert task.reward("14", ans) == 1.0                              # already-decoded text
+    assert task.encode_prompt("1+2=") == [TOK.bos_id] + TOK.encode("1+2=")
+
+
+def test_make_task_errors():
+    with pytest.raises(ValueError, match=r"unknown task 'ad1' \(did you mean add1\?\)"):
+        make_task("ad1")
+    with pytest.raises(ValueError, match="unknown option.*n_test.*valid are"):
+        make_task("add2", n_test=3)
+    with pytest.raises(ValueError, match="cannot draw"):
+        make_task("add1", n_train=100, n_heldout=20)
+    assert {"add1", "add2", "add3", "reverse", "jsonl"} <= set(TASKS)
+
+
+# ---------------------------------------------------------------- JSONL
+
+def write(tmp_path, lines, name="d.jsonl"):
+    p = tmp_path / name
+    p.write_text("\n".join(lines) + "\n")
+    return str(p)
+
+
+def test_jsonl_load_and_task(tmp_path):
+    rows = [json.dumps({"prompt": f"what is {i}+{i}?", "answer": str(2 * i)}) for i in range(20)]
+    rows.insert(3, "")                                    # blank lines are skipped
+    rows.append(json.dumps({"prompt": "half of 3?", "answer": 1.5}))
+    path = write(tmp_path, rows)
+    probs = load_jsonl(path)
+    assert len(probs) == 21 and probs[-1].answer == "1.5" and probs[0].prompt == "what is 0+0?"
+    task = jsonl_task(path, verifier="numeric", seed=3, heldout_fraction=0.2)
+    assert len(task.heldout) == 4 and len(task.train) == 17
+    assert not {p.prompt for p in task.train} & {p.prompt for p in task.heldout}
+    assert task.heldout == jsonl_task(path, verifier="numeric", seed=3, heldout_fraction=0.2).heldout
+    assert "?" in task.tokenizer.chars                     # the alphabet grows to cover the data, sorted
+    p = task.heldout[0]
+    assert task.reward(task.encode_answer(p.answer), p.answer) == 1.0
+    held = write(tmp_path, [json.dumps({"prompt": "1+1?", "answer": "2"})], "h.jsonl")
+    assert [q.prompt for q in jsonl_task(path, heldout_path=held).heldout] == ["1+1?"]
+
+
+@pytest.mark.parametrize("line, match", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    ('{"prompt": "x"}', "missing key 'answer'"),
+    ('{"prompt": "", "answer": "1"}', "'prompt' must be a non-empty string"),
+    ('{"prompt": "x", "answer": [1]}', "'answer' must be a string or a number"),
+    ('{"prompt": "x", "answer": true}', "'answer' must be a string or a number"),
+])
+def test_jsonl_bad_lines(tmp_path, line, match):
+    path = write(tmp_path, ['{"prompt": "a", "answer": "1"}', "", line])
+    with pytest.raises(ValueError, match=match) as e:
+        load_jsonl(path)
+    assert str(e.value).startswith(f"{path}:3: ") and "\n" not in str(e.value)
+
+
+def test_jsonl_file_errors(tmp_path):
+    with pytest.raises(ValueError, match="no examples found"):
+        load_jsonl(write(tmp_path, [""]))
+    path = write(tmp_path, ['{"prompt": "a", "answer": "seven"}'])
+    with pytest.raises(ValueError, match="'seven'.*is not a number; use verifier=exact"):
+        jsonl_task(path, verifier="numeric", heldout_fraction=0.0)
+    with pytest.raises(ValueError, match="unknown verifier 'fuzzy'"):
+        jsonl_task(path, verifier="fuzzy")
+
+
+def test_verifiers():
+    assert exact(" 42 ", "42") == 1.0 and exact("42.0", "42") == 0.0
+    assert numeric("42.0", "42") == 1.0 and numeric("1,000", "1000") == 1.0
+    assert numeric("0.3333333", "0.33333333") == 1.0 and numeric("0.33", "0.3333") == 0.0
+    assert numeric("abc", "42") == 0.0 and numeric("nan", "42") == 0.0 and numeric("", "0") == 0.0
+    with pytest.raises(ValueError, match="is not a number"):
+        numeric("1", "one")
+
+
+# ---------------------------------------------------------------- reward plumbing
+
+def test_safe_reward():
+    assert safe_reward(lambda c, a: 1.0 if c == a else 0.0, "4", "4") == (1.0, None)
+    r, err = safe_reward(lambda c, a: 1 / 0, "4", "4")
+    assert r == 0.0 and err.startswith("ZeroDivisionError")
+    assert safe_reward(lambda c, a: float("nan"), "4", "4")[0] == 0.0
+    assert "not finite" in safe_reward(lambda c, a: float("inf"), "4", "4")[1]
+    assert "not a number" in safe_reward(lambda c, a: "yes", "4", "4")[1]
+    assert safe_reward(lambda c, a: True, "4", "4") == (1.0, None)
+
+
+def test_evaluate_pass_at_1():
+    task = make_task("add1", n_train=50, n_heldout=10)
+    answers = {tuple(task.encode_prompt(p.prompt)): p.answer for p in task.heldout}
+    calls = []
+
+    def oracle_half(prompts):   # right on every other problem, wrong on the rest
+        calls.append(len(prompts))
+        return [task.encode_answer(answers[tuple(x)] if i % 2 == 0 else "x") for i, x in enumerate(prompts)]
+
+    out = evaluate_pass_at_1(oracle_half, task, batch_size=4)
+    assert calls == [4, 4, 2]
+    assert out == {"pass_at_1": 0.5, "n": 10, "reward_errors": 0, "first_error": None}   # 2+2+1 right of 10
+    assert evaluate_pass_at_1(oracle_half, task, limit=4)["n"] == 4
+    # a completion the tokenizer cannot decode costs that sample and is counted, not raised
+    out = evaluate_pass_at_1(lambda ps: [[999, TOK.eos_id] for _ in ps], task)
+    assert out["pass_at_1"] == 0.0 and out["reward_errors"] == 10 and "token id 999" in out["first_error"]
+    with pytest.raises(ValueError, match="returned 0 completions for 10 prompts"):
+        evaluate_pass_at_1(lambda ps: [], task)
