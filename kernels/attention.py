@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_tensor, next_pow2
+from ._common import INDEX_DTYPES, check_device, check_tensor, next_pow2
 from .window import check_window, window_start
 
 KV_BLOCK = 32

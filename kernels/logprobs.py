@@ -44,9 +44,9 @@ def _row_stats(row_ptr, V, temperature, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _token_logprobs_kernel(logits_ptr, targets_ptr, out_ptr, V, temperature, BLOCK_V: tl.constexpr):
+def _token_logprobs_kernel(logits_ptr, targets_ptr, out_ptr, V, stride_l, temperature, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * V
+    row_ptr = logits_ptr + row * stride_l
     m, s = _row_stats(row_ptr, V, temperature, BLOCK_V)
     t = tl.load(targets_ptr + row).to(tl.int64)
     ok = (t >= 0) & (t < V)
@@ -57,9 +57,9 @@ def _token_logprobs_kernel(logits_ptr, targets_ptr, out_ptr, V, temperature, BLO
 
 
 @triton.jit
-def _log_softmax_kernel(logits_ptr, out_ptr, V, temperature, BLOCK_V: tl.constexpr):
+def _log_softmax_kernel(logits_ptr, out_ptr, V, stride_l, temperature, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * V
+    row_ptr = logits_ptr + row * stride_l
     m, s = _row_stats(row_ptr, V, temperature, BLOCK_V)
     log_s = tl.log(s)
     offs = tl.arange(0, BLOCK_V)
@@ -71,7 +71,7 @@ def _log_softmax_kernel(logits_ptr, out_ptr, V, temperature, BLOCK_V: tl.constex
 
 
 def _check_logits(name, logits, temperature):
-    check_tensor(name, "logits", logits, 2)
+    check_tensor(name, "logits", logits, 2, rows_strided=True)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"{name}: temperature must be a float > 0, got {temperature!r}")
     if temperature == float("inf"):
@@ -100,7 +100,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         return out
     if V == 0:
         raise ValueError("token_logprobs: logits has an empty vocabulary (V == 0)")
-    _launch_rows(_token_logprobs_kernel, M, logits, targets, out, V, float(temperature),
+    _launch_rows(_token_logprobs_kernel, M, logits, targets, out, V, logits.stride(0), float(temperature),
                  bv=_block_v or block_v(V))
     return out
 
@@ -114,5 +114,5 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, _block_v: int
     out = torch.empty((M, V), dtype=torch.float32, device=logits.device)
     if M == 0 or V == 0:
         return out
-    _launch_rows(_log_softmax_kernel, M, logits, out, V, float(temperature), bv=_block_v or block_v(V))
+    _launch_rows(_log_softmax_kernel, M, logits, out, V, logits.stride(0), float(temperature), bv=_block_v or block_v(V))
     return out

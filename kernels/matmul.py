@@ -70,13 +70,15 @@ def _linear_kernel(
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
         mask_n = offs_n < N
+        rows_x = offs_m.to(tl.int64) * stride_xm  # int64: M * N can pass 2**31 (e.g. logits)
+        rows_w = offs_n.to(tl.int64) * stride_wn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             mask_k = kk < K
-            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+            a = tl.load(x_ptr + rows_x[:, None] + kk[None, :],
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(w_ptr + offs_n[None, :] * stride_wn + kk[:, None],
+            b = tl.load(w_ptr + rows_w[None, :] + kk[:, None],
                         mask=mask_n[None, :] & mask_k[:, None], other=0.0)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
@@ -85,7 +87,7 @@ def _linear_kernel(
         if HAS_BIAS:
             bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             acc = acc + bias[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+        tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
                  acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 

@@ -1,0 +1,1 @@
+"""Rollout and learner roles, versioned weights, the trajectory schedule; local and Ray back-ends."""
