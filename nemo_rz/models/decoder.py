@@ -19,6 +19,18 @@ from nemo_rz import ops
 from nemo_rz.models.config import DecoderConfig
 
 
+_KV_HEAD_OFFSETS: dict = {}
+
+
+def _kv_head_offsets(kv_heads: int, max_len: int, device) -> torch.Tensor:
+    """[kv_heads] row offsets of each kv head in a cache viewed as [S * Hkv * L, D] (cached)."""
+    key = (kv_heads, max_len, device)
+    t = _KV_HEAD_OFFSETS.get(key)
+    if t is None:
+        t = _KV_HEAD_OFFSETS[key] = torch.arange(kv_heads, device=device) * max_len
+    return t
+
+
 class Linear(nn.Module):
     def __init__(self, n_in: int, n_out: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -42,7 +54,13 @@ class RMSNorm(nn.Module):
 
 @dataclasses.dataclass
 class KVCache:
-    """Per-layer key and value tensors [num_seqs, num_kv_heads, max_len, head_dim] (max_len a multiple of KV_BLOCK)."""
+    """The built-in engine's cache: per-layer keys and values [num_seqs, num_kv_heads, max_len, head_dim]
+    (max_len a multiple of KV_BLOCK), row `seq_idx` for a sequence.
+
+    The cache protocol: any object with `write(layer, k, v, tokens)` (store the new tokens' keys/values) and
+    `view(layer) -> (k_cache, v_cache, block_table | None)` (what `ops.attention` reads) can serve as
+    `Tokens.cache`; the vLLM backend passes one over vLLM's paged cache.
+    """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
@@ -50,6 +68,28 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k[0].shape[2]
+
+    def rows(self, t: "Tokens") -> torch.Tensor | None:
+        """Where each token's key/value rows go in the cache viewed as [S * Hkv * L, D] (None: not contiguous)."""
+        k = self.k[0]
+        if not k.is_contiguous():
+            return None
+        kv_heads, max_len = k.shape[1], k.shape[2]
+        row = t.seq_idx.long()[:, None] * (kv_heads * max_len) + t.positions.long()[:, None]
+        return (row + _kv_head_offsets(kv_heads, max_len, row.device)).view(-1)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, t: "Tokens") -> None:
+        k_all, v_all = self.k[layer], self.v[layer]
+        if t.cache_rows is None:
+            k_all[t.seq_idx, :, t.positions] = k.to(k_all.dtype)
+            v_all[t.seq_idx, :, t.positions] = v.to(v_all.dtype)
+        else:
+            dim = k.shape[-1]
+            k_all.view(-1, dim).index_copy_(0, t.cache_rows, k.reshape(-1, dim).to(k_all.dtype))
+            v_all.view(-1, dim).index_copy_(0, t.cache_rows, v.reshape(-1, dim).to(v_all.dtype))
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return self.k[layer], self.v[layer], None
 
 
 @dataclasses.dataclass
@@ -59,8 +99,12 @@ class Tokens:
     ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
     seq_idx: torch.Tensor  # [N]
-    cache: KVCache | None = None  # None: a dense [B, T] learner batch that is its own cache
+    cache: KVCache | None = None  # any cache-protocol object; None: a dense [B, T] learner batch, its own cache
     dense: tuple[int, int] | None = None
+    # Per-forward values shared by every layer (filled in by Decoder.hidden):
+    plan: ops.AttentionPlan | None = None  # attention bookkeeping
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rotation of each position (ops.rope_cos_sin)
+    cache_rows: torch.Tensor | None = None  # [N * Hkv] rows a KVCache writes (KVCache.rows)
 
 
 class Attention(nn.Module):
@@ -83,18 +127,19 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = ops.rope(q, t.positions, cfg.rope_theta)
-        k = ops.rope(k, t.positions, cfg.rope_theta)
+        q = ops.rope(q, t.positions, cfg.rope_theta, t.rope)
+        k = ops.rope(k, t.positions, cfg.rope_theta, t.rope)
         if t.cache is None:
             b, length = t.dense
             pad = (-length) % ops.KV_BLOCK
             k_all = F.pad(k.view(b, length, -1, cfg.head_dim), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
             v_all = F.pad(v.view(b, length, -1, cfg.head_dim), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+            table = None
         else:
-            k_all, v_all = t.cache.k[self.layer], t.cache.v[self.layer]
-            k_all[t.seq_idx, :, t.positions] = k.to(k_all.dtype)
-            v_all[t.seq_idx, :, t.positions] = v.to(v_all.dtype)
-        out = ops.attention(q, k_all, v_all, t.seq_idx, t.positions, cfg.head_dim ** -0.5, cfg.sliding_window)
+            t.cache.write(self.layer, k, v, t)
+            k_all, v_all, table = t.cache.view(self.layer)
+        out = ops.attention(q, k_all, v_all, t.seq_idx, t.positions, cfg.head_dim ** -0.5, cfg.sliding_window,
+                            block_table=table, plan=t.plan)
         return self.o_proj(out.reshape(n, cfg.num_heads * cfg.head_dim))
 
 
@@ -142,11 +187,20 @@ class Decoder(nn.Module):
     # -- shared core -------------------------------------------------------------------------------
     def hidden(self, t: Tokens) -> torch.Tensor:
         """Final-norm hidden states [N, hidden] of the tokens in t."""
-        if t.ids.numel() and (int(t.ids.min()) < 0 or int(t.ids.max()) >= self.config.vocab_size):
-            raise ValueError(
-                f"token id out of range [0, {self.config.vocab_size}) in the model input: "
-                "check the tokenizer matches the model's vocab_size"
-            )
+        cfg = self.config
+        if t.ids.numel():
+            lo, hi = torch.aminmax(t.ids)
+            if int(lo) < 0 or int(hi) >= cfg.vocab_size:
+                raise ValueError(
+                    f"token id out of range [0, {cfg.vocab_size}) in the model input: "
+                    "check the tokenizer matches the model's vocab_size"
+                )
+        t = dataclasses.replace(
+            t,
+            plan=t.plan or ops.AttentionPlan(t.seq_idx, t.positions, cfg.num_heads, cfg.num_kv_heads, cfg.sliding_window),
+            rope=t.rope or ops.rope_cos_sin(t.positions, cfg.head_dim, cfg.rope_theta),
+            cache_rows=t.cache.rows(t) if t.cache_rows is None and isinstance(t.cache, KVCache) else t.cache_rows,
+        )
         x = ops.embedding(t.ids, self.model.embed_tokens.weight)
         for block in self.model.layers:
             x = block(x, t)

@@ -6,20 +6,26 @@ import torch.nn.functional as F
 
 from nemo_rz.ops.dispatch import compute_dtype, on_gpu_kernels
 from nemo_rz.ops.mode import consistent
-from nemo_rz.ops.tiles import from_tiles, to_tiles
+from nemo_rz.ops.tiles import TILE_ROWS, from_tiles, to_tiles
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not consistent():
         return F.silu(gate) * up
-    lead, f = gate.shape[:-1], gate.shape[-1]
+    shape, f = gate.shape, gate.shape[-1]
     g, u = gate.reshape(-1, f), up.reshape(-1, f)
     if on_gpu_kernels(gate):
         from nemo_rz import kernels
 
-        return kernels.silu_and_mul(g, u).reshape(*lead, f)
+        return kernels.silu_and_mul(g, u).reshape(shape)
     dt = compute_dtype(gate)
-    # exp on whole tiles: no element falls into a scalar tail loop with different rounding.
-    gt, ut = to_tiles(g.to(dt)), to_tiles(u.to(dt))
-    out = gt / (1.0 + torch.exp(-gt)) * ut
-    return from_tiles(out, g.shape[0]).to(gate.dtype).reshape(*lead, f)
+    if g.dtype != dt:
+        g, u = g.to(dt), u.to(dt)
+    rows = g.shape[0]
+    # silu's exp runs vectorised over whole SIMD steps only on whole row tiles (no element falls into a
+    # scalar tail loop with different rounding). Contiguous rows that are already whole tiles are used as is.
+    if rows and rows % TILE_ROWS == 0 and g.is_contiguous() and u.is_contiguous():
+        out = F.silu(g) * u
+    else:
+        out = from_tiles(F.silu(to_tiles(g)) * to_tiles(u), rows)
+    return (out if out.dtype == gate.dtype else out.to(gate.dtype)).view(shape)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from nemo_rz.ops.dispatch import compute_dtype, on_gpu_kernels
 from nemo_rz.ops.mode import consistent
-from nemo_rz.ops.tiles import from_tiles, tiled_matmul, to_tiles
+from nemo_rz.ops.tiles import to_tiles
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -17,17 +17,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if not consistent():
         return F.linear(x, weight, bias)
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
+    k, n = x.shape[-1], weight.shape[0]
     if on_gpu_kernels(x):
         from nemo_rz import kernels
 
-        return kernels.linear(rows, weight, bias).reshape(*lead, weight.shape[0])
+        return kernels.linear(x.reshape(-1, k), weight, bias).reshape(*x.shape[:-1], n)
     dt = compute_dtype(x)
-    out = from_tiles(tiled_matmul(to_tiles(rows.to(dt)), weight.to(dt).t()), rows.shape[0])
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
+    m = rows.shape[0]
+    if rows.dtype != dt:
+        rows = rows.to(dt)
+    # Rows are cut into [TILE_ROWS, K] tiles (zero-padded) and multiplied as one bmm of identical products.
+    tiles = to_tiles(rows)
+    w_t = (weight if weight.dtype == dt else weight.to(dt)).t()
+    if n == 1:  # a one-column product takes another BLAS path for one tile than for several: use two columns
+        w_t = F.pad(w_t, (0, 1))
+    out = torch.bmm(tiles, w_t.expand(tiles.shape[0], k, w_t.shape[1])).view(-1, w_t.shape[1])
+    if n == 1:
+        out = out[:m, :1]
+    elif out.shape[0] != m:
+        out = out[:m]
     if bias is not None:
-        out = out + bias.to(dt)
-    return out.to(x.dtype).reshape(*lead, weight.shape[0])
+        out = out + (bias if bias.dtype == dt else bias.to(dt))
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -13,14 +13,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * y.to(x.dtype)
-    lead, h = x.shape[:-1], x.shape[-1]
+    shape, h = x.shape, x.shape[-1]
     rows = x.reshape(-1, h)
     if on_gpu_kernels(x):
         from nemo_rz import kernels
 
-        return kernels.rms_norm(rows, weight, eps).reshape(*lead, h)
-    t = to_tiles(rows.to(compute_dtype(x)))
-    # sqrt and division are correctly rounded, so they give the same bits on any code path.
-    inv = 1.0 / torch.sqrt(row_sum(t * t) / h + eps)
-    y = from_tiles(t * inv, rows.shape[0]).to(x.dtype)
-    return (weight * y).reshape(*lead, h)
+        return kernels.rms_norm(rows, weight, eps).reshape(shape)
+    dt = compute_dtype(x)
+    t = to_tiles(rows if rows.dtype == dt else rows.to(dt))
+    # mean(x^2) is a fixed-shape product with a column of 1/h; rsqrt is 1 / sqrt, both correctly rounded, so
+    # every code path (vector body or tail) gives the same bits.
+    y = t * torch.rsqrt(row_sum(t * t, 1.0 / h) + eps)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    # The weight is applied on the whole tiles, so the result is a slice of them (the next op reuses the tiles).
+    return from_tiles(weight * y, rows.shape[0]).view(shape)

@@ -37,7 +37,8 @@ class Learner:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
         if not torch.isfinite(norm):
             raise NonFiniteError(f"{what}: gradient norm is {norm.item()}; lower the learning rate or check the data")
-        self.opt.step()
+        if norm > 0:  # no signal (all advantages 0, or every token rejected): Adam momentum must not move the policy
+            self.opt.step()
         return float(norm)
 
     def rl_step(self, batch: Packed, advantages: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:

