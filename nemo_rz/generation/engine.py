@@ -20,11 +20,10 @@ import torch
 
 from nemo_rz import ops
 from nemo_rz.generation.prefix_cache import PrefixCache
-from nemo_rz.generation.sampling import Completion, SamplingParams
+from nemo_rz.generation.sampling import Completion, SamplingParams, checked_requests
 from nemo_rz.models.decoder import Decoder
 from nemo_rz.ops.tiles import to_tiles
 
-_SEED_STRIDE = 1_000_003  # spreads unseeded requests' seeds apart
 
 
 @dataclasses.dataclass
@@ -89,31 +88,9 @@ class RolloutEngine:
 
     # -- generation --------------------------------------------------------------------------------
     def _requests(self, prompts, params) -> list[_Request]:
-        shared = isinstance(params, SamplingParams)
-        if not shared and len(params) != len(prompts):
-            raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} SamplingParams; pass one or one per prompt")
-        vocab = self.model.config.vocab_size
-        reqs = []
-        for i, prompt in enumerate(prompts):
-            p = params if shared else params[i]
-            prompt = [int(t) for t in prompt]
-            if not prompt:
-                raise ValueError(f"generate: prompt {i} is empty; give at least one token (e.g. BOS)")
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"generate: prompt {i} has token id {bad[0]} outside the model's vocabulary [0, {vocab})")
-            if len(prompt) + p.max_new_tokens > self.max_model_len:
-                raise ValueError(
-                    f"generate: prompt {i} ({len(prompt)} tokens) + max_new_tokens {p.max_new_tokens} exceeds "
-                    f"max_model_len {self.max_model_len}; shorten it or raise max_model_len"
-                )
-            if p.seed is not None:
-                seed = p.seed + (i if shared else 0)
-            else:
-                seed = self.seed * _SEED_STRIDE + self._requests_seen
-            self._requests_seen += 1
-            reqs.append(_Request(i, prompt, p, torch.Generator().manual_seed(seed)))
-        return reqs
+        checked = checked_requests(prompts, params, self.model.config.vocab_size, self.max_model_len, self.seed, self._requests_seen)
+        self._requests_seen += len(checked)
+        return [_Request(i, prompt, p, torch.Generator().manual_seed(seed)) for i, (prompt, p, seed) in enumerate(checked)]
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], progress=None) -> list[Completion]:

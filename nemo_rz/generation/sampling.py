@@ -32,3 +32,40 @@ class Completion:
     logprobs: torch.Tensor  # float32 [len(token_ids)]: log-softmax(logits / T) at each sampled token
     weight_version: int
     finish_reason: str  # "stop" | "length"
+
+
+SEED_STRIDE = 1_000_003  # spreads unseeded requests' seeds apart: engine seed * stride + request count
+
+
+def checked_requests(prompts, params, vocab_size: int, max_model_len: int, engine_seed: int, requests_seen: int):
+    """Validate a generate() call (one clear error per problem); yield (prompt, params, seed) per request.
+
+    Request i of a shared SamplingParams with seed s uses seed s + i; an unseeded request gets a seed from
+    the engine's seed and how many requests the engine has seen, so runs repeat.
+    """
+    shared = not isinstance(params, (list, tuple))
+    if not shared and len(params) != len(prompts):
+        raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} SamplingParams; pass one or one per prompt")
+    for p in [params] if shared else params:
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"generate: params must be nemo_rz.generation.SamplingParams, not {type(p).__name__}")
+    out = []
+    for i, prompt in enumerate(prompts):
+        p = params if shared else params[i]
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError(f"generate: prompt {i} is empty; give at least one token (e.g. BOS)")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"generate: prompt {i} has token id {bad[0]} outside the model's vocabulary [0, {vocab_size})")
+        if len(prompt) + p.max_new_tokens > max_model_len:
+            raise ValueError(
+                f"generate: prompt {i} ({len(prompt)} tokens) + max_new_tokens {p.max_new_tokens} exceeds "
+                f"max_model_len {max_model_len}; shorten it or raise max_model_len"
+            )
+        if p.seed is not None:
+            seed = p.seed + (i if shared else 0)
+        else:
+            seed = engine_seed * SEED_STRIDE + requests_seen + i
+        out.append((prompt, p, seed))
+    return out

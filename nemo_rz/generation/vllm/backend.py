@@ -36,12 +36,11 @@ from pathlib import Path
 import torch
 
 from nemo_rz import ops
-from nemo_rz.generation.sampling import Completion, SamplingParams
+from nemo_rz.generation.sampling import Completion, SamplingParams, checked_requests
 from nemo_rz.generation.vllm import ARCH
 from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.decoder import Decoder
 
-_SEED_STRIDE = 1_000_003  # as the built-in engine: unseeded requests get engine seed * stride + request count
 WORKER_EXTENSION = "nemo_rz.generation.vllm.worker.NemoRZWorkerExtension"
 
 # Engine arguments the backend decides; overriding them would break consistency (or the backend itself).
@@ -95,7 +94,8 @@ def _quiet_tokenizer_warmup() -> None:
 
 class _CallerState:
     """An in-process vLLM engine sets up its worker inside the caller: it seeds the global RNGs, lowers torch's
-    thread count and replaces torch.set_num_threads with a no-op. Undo that for the caller."""
+    thread count and replaces torch.set_num_threads with a no-op; its steps draw from the global RNG. Undo that
+    for the caller."""
 
     def __init__(self):
         import random
@@ -105,13 +105,14 @@ class _CallerState:
         self.set_num_threads, self.threads = torch.set_num_threads, torch.get_num_threads()
         self.rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
 
-    def restore(self) -> None:
+    def restore(self, threads: bool = True) -> None:
         import random
 
         import numpy as np
 
-        torch.set_num_threads = self.set_num_threads
-        torch.set_num_threads(self.threads)
+        if threads:
+            torch.set_num_threads = self.set_num_threads
+            torch.set_num_threads(self.threads)
         torch.set_rng_state(self.rng[0])
         random.setstate(self.rng[1])
         np.random.set_state(self.rng[2])
@@ -398,36 +399,20 @@ class VLLMRolloutEngine:
                    stop_token_ids=list(p.stop_token_ids), ignore_eos=True, detokenize=False)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], progress=None) -> list[Completion]:
-        shared = not isinstance(params, (list, tuple))
-        if not shared and len(params) != len(prompts):
-            raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} SamplingParams; pass one or one per prompt")
-        vocab = self.config.vocab_size
         inputs, vparams, clean = [], [], []
-        for i, prompt in enumerate(prompts):
-            p = params if shared else params[i]
-            prompt = [int(t) for t in prompt]
-            if not prompt:
-                raise ValueError(f"generate: prompt {i} is empty; give at least one token (e.g. BOS)")
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"generate: prompt {i} has token id {bad[0]} outside the model's vocabulary [0, {vocab})")
-            max_new = getattr(p, "max_new_tokens", 0)
-            if len(prompt) + max_new > self.max_model_len:
-                raise ValueError(
-                    f"generate: prompt {i} ({len(prompt)} tokens) + max_new_tokens {max_new} exceeds "
-                    f"max_model_len {self.max_model_len}; shorten it or raise max_model_len"
-                )
-            if getattr(p, "seed", None) is not None:
-                seed = p.seed + (i if shared else 0)
-            else:
-                seed = self.seed * _SEED_STRIDE + self._requests_seen + i
+        for prompt, p, seed in checked_requests(prompts, params, self.config.vocab_size, self.max_model_len, self.seed, self._requests_seen):
             vparams.append(self._vllm_params(p, seed))
             inputs.append({"prompt_token_ids": prompt})
             clean.append(prompt)
         self._requests_seen += len(prompts)
         if not inputs:
             return []
-        outs = self.llm.generate(inputs, vparams, use_tqdm=False)
+        saved = None if self.multiprocess else _CallerState()  # in-process, vLLM's steps draw from the global RNG
+        try:
+            outs = self.llm.generate(inputs, vparams, use_tqdm=False)
+        finally:
+            if saved is not None:
+                saved.restore(threads=False)
         completions = []
         for prompt, out in zip(clean, outs):
             o = out.outputs[0]
