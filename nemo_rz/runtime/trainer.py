@@ -206,7 +206,10 @@ class Trainer:
         for c, ans in zip(res.completions, answers):
             r, err = safe_reward(self.task.reward, c.token_ids, ans)
             rewards.append(r)
-            self.counts["reward_errors"] += err is not None
+            if err is not None:
+                if not self.counts["reward_errors"]:
+                    self.log(f"reward function raised ({err}); such samples get reward 0 and are counted in reward_errors")
+                self.counts["reward_errors"] += 1
         rewards_t = torch.tensor(rewards)
         adv = group_advantages(rewards_t, a.group_size)
         batch = pack(res.completions)

@@ -32,8 +32,12 @@ def write_plots(run_dir: Path) -> list[Path]:
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(exist_ok=True)
     fig, axes = plt.subplots(2, 4, figsize=(18, 8))
+    summary = Path(run_dir) / "summary.json"
+    start = json.loads(summary.read_text()).get("heldout_pass_at_1_start") if summary.is_file() else None
     for ax, (key, title) in zip(axes.flat, PANELS):
         pts = [(r["update"], r[key]) for r in rows if key in r]
+        if key == "heldout_pass_at_1" and start is not None and rows and rows[0]["update"] == 1:
+            pts = [(0, start)] + pts  # the evaluation before the first update
         if pts:
             ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, label=key.split("_")[0])
         if key == "rollout_tokens_per_s":
