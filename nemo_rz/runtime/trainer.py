@@ -64,6 +64,7 @@ class Trainer:
         self.is_dev = RunningPeakMedian()
         self.evals: list[tuple[int, float]] = []
         self.max_grad_norm = 0.0
+        self.tb = None  # a TensorBoard SummaryWriter, set by the caller (train.py) when wanted
         self.start_time = time.time()
         if resume is not None:
             self._restore(resume)
@@ -261,8 +262,6 @@ class Trainer:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(k, v, record["update"])
-
-    tb = None
 
     def save(self) -> Path:
         a = self.cfg.algo
