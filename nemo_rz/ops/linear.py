@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from nemo_rz.ops.dispatch import compute_dtype, on_gpu_kernels
 from nemo_rz.ops.mode import consistent
-from nemo_rz.ops.tiles import to_tiles
+from nemo_rz.ops.tiles import from_tiles, tiled_matmul, to_tiles
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -28,15 +28,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows.dtype != dt:
         rows = rows.to(dt)
     # Rows are cut into [TILE_ROWS, K] tiles (zero-padded) and multiplied as one bmm of identical products.
-    tiles = to_tiles(rows)
     w_t = (weight if weight.dtype == dt else weight.to(dt)).t()
-    if n == 1:  # a one-column product takes another BLAS path for one tile than for several: use two columns
-        w_t = F.pad(w_t, (0, 1))
-    out = torch.bmm(tiles, w_t.expand(tiles.shape[0], k, w_t.shape[1])).view(-1, w_t.shape[1])
-    if n == 1:
-        out = out[:m, :1]
-    elif out.shape[0] != m:
-        out = out[:m]
+    out = from_tiles(tiled_matmul(to_tiles(rows), w_t), m)
     if bias is not None:
         out = out + (bias if bias.dtype == dt else bias.to(dt))
     if out.dtype != x.dtype:
