@@ -1,0 +1,18 @@
+"""Errors that the command line reports as one line and an exit code, never as a traceback.
+
+Bad input (config, data, checkpoints, model files) is a ValueError: exit code 2. ConfigError is the
+configuration's own kind. Numerical divergence during training is not bad input: DivergenceError, exit 3.
+"""
+from __future__ import annotations
+
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
+
+
+class ConfigError(ValueError):
+    """A configuration key has a wrong type or value, or cannot change on resume."""
+
+
+class DivergenceError(RuntimeError):
+    """Training diverged: a non-finite or exploding loss, gradient norm or weight."""
