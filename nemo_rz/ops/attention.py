@@ -6,7 +6,7 @@ position p of sequence s sees keys 0..p of s (or the sliding window ending at p)
 forward is the same call with a cache that holds the whole sequence.
 
 Consistent arithmetic (CPU). Query rows that share keys (same sequence and kv head) are packed, in token
-order, into tiles of ATTN_TILE_ROWS rows. Each tile visits the blocks of KV_BLOCK keys 0 .. (its last
+order, into tiles of R rows. Each tile visits the blocks of KV_BLOCK keys 0 .. (its last
 position) // KV_BLOCK: one (tile, block) pair each, all pairs of a forward batched into one bmm of
 fixed-shape products: scores [R, D] @ [D, KV_BLOCK], then P @ [V | 1] ([R, KV_BLOCK] @ [KV_BLOCK, D + w],
 whose extra columns are P's row sums). For each row:
@@ -18,6 +18,11 @@ whose extra columns are P's row sums). For each row:
 A block past a row's position adds exact zeros, and nothing depends on the other rows of a tile or on the
 other pairs, so a row gives the same bits in decode, prefill, chunked prefill or after a prefix-cache hit,
 whatever tile or batch it lands in.
+
+The tile height R: where a probe has shown both batched products row-invariant over R in (4, 8, 16, 32) on this
+machine (ops/verified.py), each forward takes the smallest of those that holds its largest group (a decode
+step: heads // kv_heads rows per group; a training batch: 32), so decode wastes little and prefill runs few,
+larger products. Elsewhere R is fixed at ATTN_TILE_ROWS.
 
 The bookkeeping (which row goes to which tile slot, the pairs, the masks) depends only on the tokens, not on
 the layer: `AttentionPlan` computes it once per forward for every layer, and the parts that depend only on
@@ -31,12 +36,28 @@ import torch.nn.functional as F
 from nemo_rz.ops.dispatch import on_gpu_kernels
 from nemo_rz.ops.mode import consistent
 from nemo_rz.ops.tiles import TILE_ROWS
+from nemo_rz.ops.verified import BMM_ROWS, bmm_verified
 
 KV_BLOCK = 32
 _EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38: the smallest inputs whose exp is still a normal float32
-# Query rows per attention tile. A decode step has `heads // kv_heads` rows per (sequence, kv head), so small
-# tiles waste little; the shape is fixed, so the per-row arithmetic never depends on the batch.
+# Query rows per attention tile where the tile height cannot vary (see above). A decode step has
+# `heads // kv_heads` rows per (sequence, kv head), so small tiles waste little.
 ATTN_TILE_ROWS = 8
+
+
+def tile_rows(seq_idx: torch.Tensor, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """The tile height R for a forward over these tokens (see the module docstring)."""
+    dev = seq_idx.device
+    if not (bmm_verified(head_dim, KV_BLOCK, dtype, dev) and bmm_verified(KV_BLOCK, head_dim + _ones_columns(head_dim), dtype, dev)):
+        return ATTN_TILE_ROWS
+    group = int(torch.bincount(seq_idx).max()) * (heads // kv_heads) if seq_idx.numel() else 1
+    return next((r for r in BMM_ROWS if r >= group), BMM_ROWS[-1])
+
+
+def _ones_columns(head_dim: int) -> int:
+    """Columns of ones appended to V (P @ [V | 1] gives P's row sums): 1 to 4, so the width is a multiple of 4
+    (BLAS treats the rows of a small product alike only for some column counts: checked on these CPUs)."""
+    return 4 - head_dim % 4
 
 
 def _window_start(positions: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -59,9 +80,9 @@ def _key_rows(cache, seqs, kv_heads, key_pos, block_table):
 class _Layout:
     """Which tile slot each query row takes; depends only on the rows' sequences (cached across steps)."""
 
-    def __init__(self, seq_idx: torch.Tensor, heads: int, kv_heads: int):
+    def __init__(self, seq_idx: torch.Tensor, heads: int, kv_heads: int, rows: int):
         dev = seq_idx.device
-        R = ATTN_TILE_ROWS
+        self.R = R = rows
         rows = seq_idx.shape[0] * heads
         # Row r = token * heads + head belongs to group (sequence, kv head); rows of a group share keys.
         grp = (seq_idx.long()[:, None] * kv_heads + _head_group(heads, kv_heads, dev)).reshape(-1)
@@ -92,14 +113,14 @@ class _Layout:
 _LAYOUTS: dict = {}
 
 
-def _layout(seq_idx: torch.Tensor, heads: int, kv_heads: int) -> _Layout:
+def _layout(seq_idx: torch.Tensor, heads: int, kv_heads: int, rows: int) -> _Layout:
     """The layout for these sequences; the last few are kept, as decode steps repeat the same sequences."""
-    key = (tuple(seq_idx.tolist()), heads, kv_heads, ATTN_TILE_ROWS, str(seq_idx.device))
+    key = (tuple(seq_idx.tolist()), heads, kv_heads, rows, str(seq_idx.device))
     layout = _LAYOUTS.get(key)
     if layout is None:
         if len(_LAYOUTS) >= 8:  # a small cache; clear() is safe even if another thread uses it
             _LAYOUTS.clear()
-        layout = _LAYOUTS[key] = _Layout(seq_idx, heads, kv_heads)
+        layout = _LAYOUTS[key] = _Layout(seq_idx, heads, kv_heads, rows)
     return layout
 
 
@@ -109,7 +130,7 @@ class _Pairs:
 
     def __init__(self, lay: "_Layout", tile_nb: torch.Tensor):
         dev = tile_nb.device
-        R, T = ATTN_TILE_ROWS, lay.n_tiles
+        R, T = lay.R, lay.n_tiles
         pair_tile = torch.arange(T, device=dev).repeat_interleave(tile_nb)
         n_pairs = pair_tile.shape[0]
         pair_j = torch.arange(n_pairs, device=dev) - (tile_nb.cumsum(0) - tile_nb)[pair_tile]
@@ -149,12 +170,12 @@ def _mask_tables(device) -> tuple[torch.Tensor, torch.Tensor]:
 class _Tiled:
     """Tile layout of one forward's query rows and the (tile, key block) pairs they visit (consistent path)."""
 
-    def __init__(self, seq_idx: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, window):
-        lay = _layout(seq_idx, heads, kv_heads)
+    def __init__(self, seq_idx: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, window, rows: int):
+        lay = _layout(seq_idx, heads, kv_heads, rows)
         T = lay.n_tiles
-        self.n_tiles, self.out_rows, self._kv_heads = T, lay.out_rows, kv_heads
-        pos_t = positions.new_zeros(T * ATTN_TILE_ROWS, dtype=torch.long)
-        pos_t = pos_t.index_copy_(0, lay.slot, positions.long().index_select(0, lay.token_of_sorted)).view(T, ATTN_TILE_ROWS)
+        self.R, self.n_tiles, self.out_rows, self._kv_heads = rows, T, lay.out_rows, kv_heads
+        pos_t = positions.new_zeros(T * rows, dtype=torch.long)
+        pos_t = pos_t.index_copy_(0, lay.slot, positions.long().index_select(0, lay.token_of_sorted)).view(T, rows)
         tile_last = pos_t.amax(1)
         tile_nb = tile_last // KV_BLOCK + 1
         key = tuple(tile_nb.tolist())
@@ -259,10 +280,10 @@ class AttentionPlan:
         return (seq_idx is self.seq_idx and positions is self.positions and window == self.window
                 and q.shape[1] == self.heads and k_cache.shape[1] == self.kv_heads)
 
-    @property
-    def tiled(self) -> _Tiled:
+    def tiled(self, head_dim: int, dtype: torch.dtype) -> _Tiled:
         if self._tiled is None:
-            self._tiled = _Tiled(self.seq_idx, self.positions, self.heads, self.kv_heads, self.window)
+            rows = tile_rows(self.seq_idx, self.heads, self.kv_heads, head_dim, dtype)
+            self._tiled = _Tiled(self.seq_idx, self.positions, self.heads, self.kv_heads, self.window, rows)
         return self._tiled
 
     @property
@@ -295,7 +316,7 @@ def attention(
         plan = AttentionPlan(seq_idx, positions, q.shape[1], k_cache.shape[1], window)
     if not consistent():
         return _attention_fast(q, k_cache, v_cache, scale, block_table, plan.padded)
-    return _attention_tiled(q, k_cache, v_cache, scale, block_table, plan.tiled)
+    return _attention_tiled(q, k_cache, v_cache, scale, block_table, plan.tiled(q.shape[-1], torch.float32))
 
 
 def _key_blocks(cache: torch.Tensor, t: _Tiled, block_table, paged) -> torch.Tensor:
@@ -313,7 +334,7 @@ def _key_blocks(cache: torch.Tensor, t: _Tiled, block_table, paged) -> torch.Ten
 
 def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: _Tiled):
     n, heads, dim = q.shape
-    R = ATTN_TILE_ROWS
+    R = t.R
     n_pairs, real = t.pair_tile.shape[0], t.real  # pairs past `real` pad a one-pair batch
     paged = t.paged() if block_table is not None or k_cache.shape[2] % KV_BLOCK else None
     qs = q.reshape(n * heads, dim).float() * scale
@@ -326,7 +347,8 @@ def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: _Tiled):
         # model wrote, or zeros, so there adding -inf hides a key exactly.)
         past = paged[3]
         k, v = k.masked_fill(past, 0.0), v.masked_fill(past, 0.0)
-    s = torch.bmm(qp, k.transpose(1, 2)) + t.bias
+    # Keys as contiguous [D, KV_BLOCK] blocks: BLAS takes row-invariant paths only for that layout (verified.py).
+    s = torch.bmm(qp, k.transpose(1, 2).contiguous()) + t.bias
     with torch.no_grad():  # the shift cancels in the softmax; no gradient flows through it
         s_max = s.amax(-1)
         m = s_max.new_full((t.n_tiles, R), float("-inf"))
@@ -335,10 +357,8 @@ def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: _Tiled):
     # exp runs on inputs clamped to >= -87 (results stay normal), and hidden keys are then zeroed exactly.
     # A weight below e^-87 ~ 1.6e-38 becomes 1.6e-38: a fixed function of the row, like everything here.
     p = torch.exp((s - m.index_select(0, t.pair_tile).unsqueeze(-1)).clamp(min=_EXP_FLOOR)) * t.visible
-    # P @ [V | 1 ...]: the appended columns of ones give the row sums of P in the same product. BLAS treats
-    # the rows of a small product alike only for some column counts (checked on these CPUs: a multiple of 4
-    # works for 2..32 rows), so 1 to 4 such columns make the width a multiple of 4.
-    pv = torch.bmm(p, F.pad(v, (0, 4 - dim % 4), value=1.0))  # [P, R, D + w]
+    # P @ [V | 1 ...]: the appended columns of ones give the row sums of P in the same product.
+    pv = torch.bmm(p, F.pad(v, (0, _ones_columns(dim)), value=1.0))  # [P, R, D + w]
     # Sum over a tile's blocks in increasing block order (index_add_ adds the pairs one after another).
     acc = pv.new_zeros(t.n_tiles, R, pv.shape[-1]).index_add_(0, t.pair_tile[:real], pv[:real] if real < n_pairs else pv)
     out_t = acc[..., :dim] / acc[..., dim : dim + 1]
