@@ -1,0 +1,41 @@
+"""One trainer per run directory: an exclusive lock on RUN/.lock, held until the process ends.
+
+A flock belongs to the open file, so the kernel drops it when its holder exits, even on SIGKILL: a stale lock
+never blocks a resume. The file holds the holder's pid, for the message to the one refused.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+LOCK_FILE = ".lock"
+_held: dict[Path, int] = {}  # run directory -> open lock file (this process may lock one directory twice)
+
+
+class RunDirInUse(ValueError):
+    pass
+
+
+def lock(run_dir: Path) -> None:
+    key = Path(run_dir).resolve()
+    if key in _held:
+        return
+    key.mkdir(parents=True, exist_ok=True)
+    fd = os.open(key / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RunDirInUse(f"run_dir {run_dir} is in use by another trainer (pid {holder}); "
+                          "wait for it to finish or stop it, then resume") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _held[key] = fd
+
+
+def unlock(run_dir: Path) -> None:
+    fd = _held.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)
