@@ -16,6 +16,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from nemo_rz import config as config_lib
+from nemo_rz.runtime import runlock
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -44,6 +45,7 @@ def _prepare(argv) -> tuple:
             raise ValueError(f"run_dir {run_dir} already holds a run; pass resume={run_dir} to continue it or choose a new run_dir")
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.run_dir = str(run_dir)
+    runlock.lock(run_dir)  # a second trainer on this run directory stops here, before writing anything
     _write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
     return cfg, run_dir
 
