@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from nemo_rz.tasks import TASKS, CharTokenizer, evaluate_pass_at_1, jsonl_task, load_jsonl, make_task, safe_reward
-from nemo_rz.tasks.jsonl import exact, numeric
+from nemo_rz.tasks.verifiers import exact, numeric
 from nemo_rz.tasks.tokenizer import DEFAULT_CHARS
 
 TOK = CharTokenizer()
@@ -139,9 +139,9 @@ def test_jsonl_bad_lines(tmp_path, line, match):
 def test_jsonl_file_errors(tmp_path):
     with pytest.raises(ValueError, match="no examples found"):
         load_jsonl(write(tmp_path, [""]))
-    path = write(tmp_path, ['{"prompt": "a", "answer": "seven"}'])
-    with pytest.raises(ValueError, match="'seven'.*is not a number; use verifier=exact"):
-        jsonl_task(path, verifier="numeric", heldout_fraction=0.0)
+    path = write(tmp_path, ['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": "seven"}'])
+    with pytest.raises(ValueError, match=r"d.jsonl:2: numeric verifier: answer 'seven' is not a number; use the exact"):
+        jsonl_task(path, verifier="numeric", heldout_fraction=0.5)
     with pytest.raises(ValueError, match="unknown verifier 'fuzzy'"):
         jsonl_task(path, verifier="fuzzy")
 

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint I/O: Qwen3 / Qwen2 / Llama directories <-> Decoder.
+"""Hugging Face checkpoint I/O: Qwen3 / Qwen2 / Llama directories <-> Decoder (and .gguf files -> Decoder).
 
 A checkpoint directory holds config.json plus model.safetensors (or model.safetensors.index.json and its
 shards). Decoder's parameter names already follow the Hugging Face layout, so loading is a check (names,
@@ -405,18 +405,23 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str) -> dict[str, tor
 
 
 def load_hf(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Decoder:
-    """A Decoder (eval mode, on CPU) with the weights of a Hugging Face Qwen3 / Qwen2 / Llama checkpoint directory.
+    """A Decoder (eval mode, on CPU) with the weights of a Hugging Face Qwen3 / Qwen2 / Llama checkpoint directory
+    or a .gguf file of these families (dequantized through transformers: nemo_rz.models.gguf).
 
     dtype: "float32" / "bfloat16" (or the torch dtypes); None keeps the checkpoint's dtype when it is one of
     these and uses float32 otherwise.
     """
+    from nemo_rz.models import gguf  # imports transformers only when a .gguf file is loaded
+
+    if gguf.is_gguf(path):
+        return gguf.load_gguf(path, dtype)
     root = Path(path)
     if not root.exists():
         raise ModelFileError(
             f"model directory {root} does not exist; pass the directory that holds config.json and model.safetensors"
         )
     if not root.is_dir():
-        raise ModelFileError(f"{root} is a file, not a checkpoint directory; pass the directory that holds it")
+        raise ModelFileError(f"{root} is a file, not a checkpoint directory or a .gguf file; pass the directory that holds it")
     config_file = root / CONFIG_FILE
     if not config_file.is_file():
         raise ModelFileError(

@@ -21,11 +21,12 @@ from omegaconf import OmegaConf
 
 from nemo_rz import ops
 from nemo_rz.algorithms import group_advantages
+from nemo_rz.errors import DivergenceError
 from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.generation.packing import pack
 from nemo_rz.metrics import RunningPeakMedian, lag_histogram
 from nemo_rz.models import Decoder, DecoderConfig
-from nemo_rz.runtime import checkpoint
+from nemo_rz.runtime import checkpoint, runlock
 from nemo_rz.runtime.jobs import Job, Result, decode_completions, encode_completions
 from nemo_rz.runtime.learner import Learner
 from nemo_rz.tasks import make_task, safe_reward
@@ -44,18 +45,24 @@ def _check_generation_backend(name: str) -> None:
 class Trainer:
     def __init__(self, cfg, run_dir: Path, resume: Path | None = None, log=print):
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
+        runlock.lock(self.run_dir)  # before anything in it is read or written
         self.generation_backend = OmegaConf.select(cfg, "generation.backend", default="builtin")  # older runs lack it
         _check_generation_backend(self.generation_backend)
         torch.set_num_threads(cfg.runtime.learner_threads)
         ops.set_mode(cfg.kernels)
         torch.manual_seed(cfg.seed)
-        self.task = make_task(cfg.task.name, **dict(cfg.task.options))
+        self.task = make_task(cfg.task.name, tokenizer=self._tokenizer_spec(), **dict(cfg.task.options),
+                              chat_template=OmegaConf.select(cfg, "task.chat_template", default="auto"),
+                              system_prompt=OmegaConf.select(cfg, "task.system_prompt", default=None))
         self.tok = self.task.tokenizer
         self.model = self._build_model()
         a = cfg.algo
         self.learner = Learner(self.model, a.lr, a.grad_clip, a.temperature, a.loss, a.correction, dict(a.correction_params))
-        prompt_len = max(len(self.task.encode_prompt(p.prompt)) for p in self.task.train[:2000] + self.task.heldout)
-        self.max_model_len = prompt_len + a.max_new_tokens
+        room = self.model.config.max_position_embeddings - a.max_new_tokens
+        if room < 1:
+            raise ValueError(f"algo.max_new_tokens = {a.max_new_tokens} leaves no room for a prompt in the model's "
+                             f"{self.model.config.max_position_embeddings} positions; lower it")
+        self.max_model_len = self.task.validate(max_prompt_tokens=room) + a.max_new_tokens  # every prompt, before work
         self.version = 0
         self.history: dict[int, dict[str, torch.Tensor]] = {}  # versions a future batch may still need
         self.pending: dict[int, Result] = {}
@@ -66,14 +73,18 @@ class Trainer:
         self.max_grad_norm = 0.0
         self.tb = None  # a TensorBoard SummaryWriter, set by the caller (train.py) when wanted
         self.start_time = time.time()
-        if resume is not None:
-            self._restore(resume)
-        else:
+        if resume is None or not self._restore(resume):
             self._warmup()
             self.evals.append((0, self.evaluate()))
         self.history[self.version] = self.learner.state_dict_copy()
 
     # -- set-up ------------------------------------------------------------------------------------
+    def _tokenizer_spec(self):
+        """model.tokenizer: null = the checkpoint's own (model.hf_path) or the character tokenizer; char; a path.
+        Runs saved before the key existed used the character tokenizer."""
+        spec = OmegaConf.select(self.cfg, "model.tokenizer", default="char")
+        return spec if spec is not None else (self.cfg.model.hf_path or "char")
+
     def _build_model(self) -> Decoder:
         m = self.cfg.model
         if m.hf_path:
@@ -112,7 +123,10 @@ class Trainer:
             for i, (s, n) in enumerate(zip(seqs, prompt_lens)):
                 ids[i, : len(s)] = torch.tensor(s)
                 target[i, n - 1 : len(s) - 1] = 1.0
-            loss = self.learner.sft_step(ids, torch.tensor([len(s) for s in seqs]), target)
+            try:
+                loss = self.learner.sft_step(ids, torch.tensor([len(s) for s in seqs]), target, f"warm-up step {step + 1}")
+            except DivergenceError as e:
+                raise self._diverged(e, "warmup.lr", w.lr) from None
         self.log(f"warm-up: {w.steps} supervised steps in {time.time() - start:.1f}s, final loss {loss:.3f}")
         # A fresh optimizer for RL: warm-up moments would otherwise steer the first RL updates.
         self.learner.opt = torch.optim.Adam(self.model.parameters(), lr=opt_lr)
@@ -124,7 +138,7 @@ class Trainer:
         problems = self.task.sample(a.prompts_per_update, rng)
         prompts = [self.task.encode_prompt(p.prompt) for p in problems for _ in range(a.group_size)]
         return Job(u, max(0, u - a.max_lag), prompts, a.max_new_tokens, a.temperature,
-                   seed=(self.cfg.seed * 1_000_003 + u) * 65_536, stop_token_ids=(self.tok.eos_id,))
+                   seed=(self.cfg.seed * 1_000_003 + u) * 65_536, stop_token_ids=self.tok.eos_ids)
 
     def answers(self, u: int) -> list[str]:
         rng = random.Random(self.cfg.seed * 1_000_003 + u)
@@ -154,6 +168,9 @@ class Trainer:
         while u not in self.pending:
             for res in backend.poll(timeout=5.0):
                 self.counts["produced"] += len(res.completions)
+                if res.batch < self.version or res.batch in self.pending:  # a re-sent job that came back twice
+                    self.counts["refused:duplicate"] += len(res.completions)
+                    continue
                 lag = res.batch - res.version
                 if lag > self.cfg.algo.max_lag or res.version != max(0, res.batch - self.cfg.algo.max_lag):
                     self.counts["refused:lag"] += len(res.completions)
@@ -195,7 +212,6 @@ class Trainer:
                 if cfg.checkpoint.every and (self.version % cfg.checkpoint.every == 0 or self.version == a.updates):
                     self.save()
         finally:
-            self.counts["refused:duplicate"] += getattr(backend, "duplicates", 0) * a.prompts_per_update * a.group_size
             backend.close()
         return self.summary()
 
@@ -215,7 +231,10 @@ class Trainer:
         adv = group_advantages(rewards_t, a.group_size)
         batch = pack(res.completions)
         start = time.perf_counter()
-        metrics, lp = self.learner.rl_step(batch, adv)
+        try:
+            metrics, lp = self.learner.rl_step(batch, adv, f"update {self.version + 1}")
+        except DivergenceError as e:  # raised before anything of this update is kept or saved
+            raise self._diverged(e, "algo.lr", a.lr) from None
         learn_s = time.perf_counter() - start
         lag = self.version - res.version
         self.lags.append(lag)
@@ -251,7 +270,7 @@ class Trainer:
         problems = self.task.heldout[:n]
         engine = RolloutEngine(self.model, max_batch_size=min(256, len(problems)), max_model_len=self.max_model_len)
         outs = engine.generate([self.task.encode_prompt(p.prompt) for p in problems],
-                               SamplingParams(self.cfg.algo.max_new_tokens, temperature=0.0, stop_token_ids=(self.tok.eos_id,)))
+                               SamplingParams(self.cfg.algo.max_new_tokens, temperature=0.0, stop_token_ids=self.tok.eos_ids))
         correct = [safe_reward(self.task.reward, o.token_ids, p.answer)[0] >= 1 for o, p in zip(outs, problems)]
         return sum(correct) / len(correct)
 
@@ -273,13 +292,18 @@ class Trainer:
         return checkpoint.save(self.run_dir / "checkpoints", self.history[self.version], keep,
                                self.learner.opt.state_dict(), state, self.cfg.checkpoint.keep)
 
-    def _restore(self, run_dir: Path) -> None:
-        path = checkpoint.latest(Path(run_dir) / "checkpoints")
-        if path is None:
-            raise ValueError(f"resume={run_dir}: no checkpoint found under {run_dir}/checkpoints; start a new run instead")
-        weights, history, opt_state, st = checkpoint.load(path)
+    def _restore(self, run_dir: Path) -> bool:
+        """Continue from the newest intact checkpoint; False when the run stopped before its first one."""
+        found = checkpoint.load_latest(Path(run_dir) / "checkpoints", warn=self.log)
+        if found is None:
+            self.log(f"resume={run_dir}: no checkpoint yet (stopped before the first); starting the run again from update 0")
+            self._drop_replayed_metrics()
+            return False
+        path, (weights, history, opt_state, st) = found
         self.model.load_state_dict(weights)
         self.learner.opt.load_state_dict(opt_state)
+        for g in self.learner.opt.param_groups:  # the saved lr is the old one: honour algo.lr set on resume
+            g["lr"] = self.cfg.algo.lr
         self.version, self.lags, self.evals = st["version"], st["lags"], [tuple(e) for e in st["evals"]]
         self.counts.update(st["counts"])
         self.is_dev.load_state_dict(st["is_dev"])
@@ -288,14 +312,35 @@ class Trainer:
         self.pending = {u: Result(u, v, w, decode_completions(rows), s) for u, (v, w, rows, s) in st["pending"].items()}
         torch.set_rng_state(st["torch_rng"])
         self.start_time = time.time() - st["elapsed"]
-        # Metrics written after the checkpoint by the interrupted run are replayed: drop them.
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
-            kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["update"] <= self.version]
-            tmp = metrics.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, metrics)
+        self._drop_replayed_metrics()
         self.log(f"resumed from {path} at update {self.version}")
+        return True
+
+    def _drop_replayed_metrics(self) -> None:
+        """Metrics written after the checkpoint by the interrupted run are replayed: drop them, and a last
+        line cut short by a crash mid-write."""
+        metrics = self.run_dir / "metrics.jsonl"
+        if not metrics.exists():
+            return
+        kept = []
+        for line in metrics.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and row.get("update", math.inf) <= self.version:
+                kept.append(line)
+        tmp = metrics.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, metrics)
+
+    def _diverged(self, e: DivergenceError, lr_key: str, lr: float) -> DivergenceError:
+        if lr_key == "warmup.lr":
+            return DivergenceError(f"training diverged at {e}; lower {lr_key} (now {lr:g}) and run again")
+        last = checkpoint.latest(self.run_dir / "checkpoints")
+        kept = f"the last good checkpoint, {last.name}, is kept" if last else "no checkpoint had been written yet"
+        return DivergenceError(f"training diverged at {e}; lower {lr_key} (now {lr:g}) and continue with "
+                               f"resume={self.run_dir} {lr_key}=... ({kept})")
 
     def summary(self) -> dict:
         produced, trained = self.counts["produced"], self.counts["trained"]

@@ -1,10 +1,13 @@
-"""Verifiable-reward tasks. make_task(name, **kw) builds one from the registry:
+"""Verifiable-reward tasks. make_task(name, tokenizer=..., chat_template=..., system_prompt=..., **kw) builds one:
 
-  add1, add2, add3   d-digit addition "12+34=" -> "46"               (kw: seed, n_train, n_heldout, tokenizer)
+  add1, add2, add3   d-digit addition "12+34=" -> "46"               (kw: seed, n_train, n_heldout)
   mul1, mul2         d-digit by 1-digit multiplication "12*3=" -> "36"
   reverse            reverse a digit string "rev 120=" -> "021"     (kw also: min_len=3, max_len=5)
-  jsonl              {"prompt", "answer"} lines                      (kw: path, verifier=exact|numeric,
+  jsonl              {"prompt" | "messages", "answer"} lines         (kw: path, verifier=exact|numeric|digits|boxed|math,
                                                                       seed, heldout_fraction, heldout_path)
+tokenizer: None or "char" (the character tokenizer), a checkpoint directory or .gguf file (its HFTokenizer),
+or a tokenizer object. With a chat template (chat_template auto|true), prompts are rendered as chat messages;
+the built-in tasks then ask word problems ("What is 12 + 34? ...") and read the last number of the reply.
 """
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ import inspect
 
 from nemo_rz.tasks import arithmetic
 from nemo_rz.tasks.base import Problem, Task
+from nemo_rz.tasks.hf_tokenizer import HFTokenizer
 from nemo_rz.tasks.jsonl import jsonl_task, load_jsonl
 from nemo_rz.tasks.rewards import evaluate_pass_at_1, safe_reward
-from nemo_rz.tasks.tokenizer import CharTokenizer
+from nemo_rz.tasks.tokenizer import CharTokenizer, Tokenizer
 
 TASKS = {
     "add1": functools.partial(arithmetic.addition, 1),
@@ -27,21 +31,31 @@ TASKS = {
     "reverse": arithmetic.reverse,
     "jsonl": jsonl_task,
 }
+_RENDERING = ("tokenizer", "chat_template", "system_prompt")  # set by make_task's own arguments, not task options
 
 
-def make_task(name: str, **kw) -> Task:
+def load_tokenizer(spec) -> Tokenizer | None:
+    """None / "char": None (each task builds its character tokenizer); a path: HFTokenizer; an object: itself."""
+    if spec is None or spec == "char":
+        return None
+    if isinstance(spec, str):
+        return HFTokenizer.from_pretrained(spec)
+    return spec
+
+
+def make_task(name: str, tokenizer=None, chat_template="auto", system_prompt: str | None = None, **kw) -> Task:
     """The task registered as `name`, built with keyword arguments kw (see the module docstring)."""
     if name not in TASKS:
         close = difflib.get_close_matches(name, TASKS, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ValueError(f"unknown task {name!r}{hint}: use one of {', '.join(TASKS)}")
     fn = TASKS[name]
-    params = inspect.signature(fn).parameters
+    params = [p for p in inspect.signature(fn).parameters if p not in _RENDERING]
     unknown = sorted(set(kw) - set(params))
     if unknown:
         raise ValueError(f"task {name!r}: unknown option(s) {', '.join(unknown)}: valid are {', '.join(params)}")
-    return fn(**kw)
+    return fn(tokenizer=load_tokenizer(tokenizer), chat_template=chat_template, system_prompt=system_prompt, **kw)
 
 
-__all__ = ["TASKS", "CharTokenizer", "Problem", "Task", "evaluate_pass_at_1", "jsonl_task", "load_jsonl",
-           "make_task", "safe_reward"]
+__all__ = ["TASKS", "CharTokenizer", "HFTokenizer", "Problem", "Task", "Tokenizer", "evaluate_pass_at_1", "jsonl_task",
+           "load_jsonl", "load_tokenizer", "make_task", "safe_reward"]

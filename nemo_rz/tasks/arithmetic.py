@@ -7,13 +7,17 @@
 Each problem is an index into the task's space; train and held-out are disjoint index draws from
 `seed` (base.split_indices), so the same seed always gives the same splits.
 Reward: 1.0 when the completion's text up to EOS equals the answer exactly, else 0.0.
+
+With a chat tokenizer (task.chat_template auto/true), prompts are word problems ("What is 12 + 34? Answer with
+just the number.") rendered by the chat template, and the reward reads the last number of the reply.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from nemo_rz.tasks.base import Problem, Task, split_indices
-from nemo_rz.tasks.tokenizer import CharTokenizer
+from nemo_rz.tasks import verifiers
+from nemo_rz.tasks.base import Problem, Task, split_indices, use_chat
+from nemo_rz.tasks.tokenizer import CharTokenizer, Tokenizer
 
 
 def exact_match(text: str, answer: str) -> float:
@@ -21,63 +25,77 @@ def exact_match(text: str, answer: str) -> float:
     return 1.0 if text == answer else 0.0
 
 
-def _addition(digits: int) -> tuple[int, Callable[[int], Problem]]:
+# Each task: (size of its problem space, problem(index, chat) -> Problem, the verifier for chat phrasing).
+# Chat models answer in words ("17 + 25 = 42"), so their verifier reads the last number (digits: the last
+# digit string, leading zeros kept) instead of requiring the bare answer.
+Space = tuple[int, Callable[[int, bool], Problem], Callable[[str, str], float]]
+
+
+def _addition(digits: int) -> Space:
     n = 10 ** digits
 
-    def problem(i: int) -> Problem:
+    def problem(i: int, chat: bool) -> Problem:
         a, b = divmod(i, n)
-        return Problem(f"{a}+{b}=", str(a + b))
-    return n * n, problem
+        prompt = f"What is {a} + {b}? Answer with just the number." if chat else f"{a}+{b}="
+        return Problem(prompt, str(a + b))
+    return n * n, problem, verifiers.numeric
 
 
-def _multiplication(digits: int) -> tuple[int, Callable[[int], Problem]]:
+def _multiplication(digits: int) -> Space:
     n = 10 ** digits
 
-    def problem(i: int) -> Problem:
+    def problem(i: int, chat: bool) -> Problem:
         a, b = divmod(i, 10)
-        return Problem(f"{a}*{b}=", str(a * b))
-    return n * 10, problem
+        prompt = f"What is {a} times {b}? Answer with just the number." if chat else f"{a}*{b}="
+        return Problem(prompt, str(a * b))
+    return n * 10, problem, verifiers.numeric
 
 
-def _reverse(min_len: int, max_len: int) -> tuple[int, Callable[[int], Problem]]:
+def _reverse(min_len: int, max_len: int) -> Space:
     if not 1 <= min_len <= max_len:
         raise ValueError(f"reverse task: need 1 <= min_len <= max_len, got {min_len}, {max_len}")
     sizes = [10 ** L for L in range(min_len, max_len + 1)]
 
-    def problem(i: int) -> Problem:
+    def problem(i: int, chat: bool) -> Problem:
         for L, size in zip(range(min_len, max_len + 1), sizes):   # index -> (length, value): injective
             if i < size:
                 s = str(i).zfill(L)
-                return Problem(f"rev {s}=", s[::-1])
+                prompt = f"Write the digits {s} in reverse order. Answer with just the digits." if chat else f"rev {s}="
+                return Problem(prompt, s[::-1])
             i -= size
         raise IndexError(i)
-    return sum(sizes), problem
+    return sum(sizes), problem, verifiers.digits
 
 
-def _make(name: str, space_and_problem, seed: int, n_train, n_heldout, tokenizer) -> Task:
-    space, problem = space_and_problem
-    train_idx, held_idx = split_indices(space, n_train, n_heldout, seed, f"task {name}")
-    return Task(name, [problem(i) for i in train_idx], [problem(i) for i in held_idx],
-                tokenizer or CharTokenizer(), exact_match)
+def _make(name: str, space: Space, seed: int, n_train, n_heldout, tokenizer, chat_template, system_prompt) -> Task:
+    size, problem, chat_verifier = space
+    tokenizer = tokenizer or CharTokenizer()
+    chat = use_chat(tokenizer, chat_template)
+    train_idx, held_idx = split_indices(size, n_train, n_heldout, seed, f"task {name}")
+    return Task(name, [problem(i, chat) for i in train_idx], [problem(i, chat) for i in held_idx], tokenizer,
+                chat_verifier if chat else exact_match, chat=chat, system_prompt=system_prompt)
 
 
 def addition(digits: int = 2, seed: int = 0, n_train: int | None = None, n_heldout: int | None = None,
-             tokenizer: CharTokenizer | None = None) -> Task:
+             tokenizer: Tokenizer | None = None, chat_template="auto", system_prompt: str | None = None) -> Task:
     """d-digit addition ("12+34=" -> "46")."""
     if digits < 1:
         raise ValueError(f"addition task: digits must be >= 1, got {digits}")
-    return _make(f"add{digits}", _addition(digits), seed, n_train, n_heldout, tokenizer)
+    return _make(f"add{digits}", _addition(digits), seed, n_train, n_heldout, tokenizer, chat_template, system_prompt)
 
 
 def multiplication(digits: int = 1, seed: int = 0, n_train: int | None = None, n_heldout: int | None = None,
-                   tokenizer: CharTokenizer | None = None) -> Task:
+                   tokenizer: Tokenizer | None = None, chat_template="auto", system_prompt: str | None = None) -> Task:
     """d-digit times 1-digit multiplication ("12*3=" -> "36")."""
     if digits < 1:
         raise ValueError(f"multiplication task: digits must be >= 1, got {digits}")
-    return _make(f"mul{digits}", _multiplication(digits), seed, n_train, n_heldout, tokenizer)
+    return _make(f"mul{digits}", _multiplication(digits), seed, n_train, n_heldout, tokenizer, chat_template,
+                 system_prompt)
 
 
 def reverse(min_len: int = 3, max_len: int = 5, seed: int = 0, n_train: int | None = None,
-            n_heldout: int | None = None, tokenizer: CharTokenizer | None = None) -> Task:
+            n_heldout: int | None = None, tokenizer: Tokenizer | None = None, chat_template="auto",
+            system_prompt: str | None = None) -> Task:
     """Reverse a digit string ("rev 120=" -> "021")."""
-    return _make("reverse", _reverse(min_len, max_len), seed, n_train, n_heldout, tokenizer)
+    return _make("reverse", _reverse(min_len, max_len), seed, n_train, n_heldout, tokenizer, chat_template,
+                 system_prompt)

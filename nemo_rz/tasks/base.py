@@ -1,21 +1,27 @@
 """Problem and Task: what every verifiable-reward task provides to the rollout and the learner.
 
-A completion is the list of token ids generated after the prompt. Its text is the decoding up to the
-first EOS; without an EOS (the generation ran out of budget) it earns 0 when require_eos is set.
+A problem's prompt is text, or chat messages ((role, content), ...). A task renders prompts one of two ways:
+plain (the tokenizer's BOS policy + the text) or chat (the tokenizer's chat template with a generation prompt,
+task.system_prompt first when given). A completion is the list of token ids generated after the prompt. Its
+text is the decoding up to the first of the tokenizer's eos_ids; without one (the generation ran out of
+budget) it earns 0 when require_eos is set.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Union
 
-from nemo_rz.tasks.tokenizer import CharTokenizer
+from nemo_rz.tasks.tokenizer import Tokenizer
+
+Messages = tuple[tuple[str, str], ...]  # ((role, content), ...): hashable, so problems can be compared and counted
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Problem:
-    prompt: str
+    prompt: Union[str, Messages]
     answer: str
+    where: str = dataclasses.field(default="", compare=False)  # e.g. "data.jsonl:12", named in errors
 
 
 def split_indices(space: int, n_train: int | None, n_heldout: int | None, seed: int,
@@ -36,13 +42,30 @@ def split_indices(space: int, n_train: int | None, n_heldout: int | None, seed: 
     return idx[n_heldout:], idx[:n_heldout]
 
 
-class Task:
-    """Problems split into train / heldout, a tokenizer, and a verifier(text, answer) -> reward."""
+def use_chat(tokenizer: Tokenizer, chat_template) -> bool:
+    """task.chat_template: auto (chat when the tokenizer has a template) | true | false."""
+    setting = str(chat_template).lower()
+    if setting not in ("auto", "true", "false"):
+        raise ValueError(f"task.chat_template = {chat_template!r}: use auto, true or false")
+    if setting == "true" and tokenizer.chat_template is None:
+        raise ValueError("task.chat_template=true but the tokenizer has no chat template; use a chat model's "
+                         "tokenizer (model.hf_path / model.tokenizer) or task.chat_template=auto")
+    return setting == "true" or (setting == "auto" and tokenizer.chat_template is not None)
 
-    def __init__(self, name: str, train: list[Problem], heldout: list[Problem], tokenizer: CharTokenizer,
-                 verifier: Callable[[str, str], float], require_eos: bool = True):
+
+class Task:
+    """Problems split into train / heldout, a tokenizer, a verifier(text, answer) -> reward, and how prompts
+    are rendered (chat: through the tokenizer's chat template, with system_prompt first when given)."""
+
+    def __init__(self, name: str, train: list[Problem], heldout: list[Problem], tokenizer: Tokenizer,
+                 verifier: Callable[[str, str], float], require_eos: bool = True, chat: bool = False,
+                 system_prompt: str | None = None):
+        if system_prompt is not None and not chat:
+            raise ValueError(f"task {name}: task.system_prompt needs chat prompts, but they are off (no chat template, "
+                             "or task.chat_template=false); drop the system prompt or use a chat model's tokenizer")
         self.name, self.train, self.heldout = name, list(train), list(heldout)
         self.tokenizer, self.verifier, self.require_eos = tokenizer, verifier, require_eos
+        self.chat, self.system_prompt = chat, system_prompt
 
     def split(self, name: str) -> list[Problem]:
         if name not in ("train", "heldout"):
@@ -53,20 +76,46 @@ class Task:
         """n training problems drawn with replacement from rng (the caller owns the RNG state)."""
         return rng.choices(self.train, k=n)
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        """BOS + the prompt's characters: what the engine is given."""
-        return self.tokenizer.encode(prompt, bos=True)
+    def encode_prompt(self, prompt: str | Messages) -> list[int]:
+        """What the engine is given: chat-rendered messages, or BOS (per the tokenizer's policy) + the text."""
+        tok = self.tokenizer
+        if self.chat:
+            turns = (("user", prompt),) if isinstance(prompt, str) else prompt
+            if self.system_prompt is not None and turns[0][0] != "system":
+                turns = (("system", self.system_prompt),) + tuple(turns)
+            return tok.chat([{"role": r, "content": c} for r, c in turns], add_generation_prompt=True)
+        if not isinstance(prompt, str):
+            raise ValueError(f"task {self.name}: a chat-messages prompt needs chat rendering, which is off (no chat "
+                             "template, or task.chat_template=false)")
+        return tok.encode(prompt, bos=tok.add_bos)
 
     def encode_answer(self, answer: str) -> list[int]:
-        """The answer's characters + EOS: the target completion (supervised warm-up)."""
+        """The answer's tokens + EOS: the target completion (supervised warm-up)."""
         return self.tokenizer.encode(answer, eos=True)
+
+    def validate(self, max_prompt_tokens: int | None = None) -> int:
+        """Encode every prompt once; raise ValueError naming the problem (file:line for data) when one cannot
+        be encoded or is longer than max_prompt_tokens (None: no limit). Returns the longest prompt's length."""
+        longest = 0
+        for split in (self.train, self.heldout):
+            for p in split:
+                where = p.where or f"task {self.name}, prompt {str(p.prompt)[:60]!r}"
+                try:
+                    n = len(self.encode_prompt(p.prompt))
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+                if max_prompt_tokens is not None and n > max_prompt_tokens:
+                    raise ValueError(f"{where}: the prompt is {n} tokens, over the {max_prompt_tokens} that fit (the "
+                                     "model's max_position_embeddings minus algo.max_new_tokens); shorten or drop it")
+                longest = max(longest, n)
+        return longest
 
     def completion_text(self, completion) -> str | None:
         """Text of a completion up to its first EOS; None when it has no EOS and require_eos is set."""
         if isinstance(completion, str):
             return completion
         ids = [int(i) for i in completion]
-        if self.require_eos and self.tokenizer.eos_id not in ids:
+        if self.require_eos and not set(self.tokenizer.eos_ids) & set(ids):
             return None
         return self.tokenizer.decode(ids, stop_at_eos=True)
 
@@ -76,4 +125,4 @@ class Task:
         return 0.0 if text is None else float(self.verifier(text, answer))
 
     def __repr__(self) -> str:
-        return f"Task({self.name!r}, train={len(self.train)}, heldout={len(self.heldout)})"
+        return f"Task({self.name!r}, train={len(self.train)}, heldout={len(self.heldout)}, chat={self.chat})"
