@@ -1,16 +1,30 @@
 """Checkpoints: weights (safetensors), recent weight versions, optimizer, RNG, and queue state.
 
 Written to a temporary directory and renamed into place, so an interrupted save never damages the last
-good checkpoint.
+good checkpoint. A manifest holds each file's SHA-256: a checkpoint whose files do not match it (truncated,
+corrupted or edited) is skipped for the newest intact one. Nothing is unpickled: tensors come from
+safetensors, optimizer and trainer state from torch.load(weights_only=True), which builds only tensors and
+plain containers, so a pickle planted in a run directory cannot run code.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
+FILES = ("model.safetensors", "history.safetensors", "optimizer.pt", "state.pt")
+
+
+class CorruptCheckpoint(ValueError):
+    pass
 
 
 def _flatten_history(history: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -25,6 +39,21 @@ def _unflatten_history(flat: dict[str, torch.Tensor]) -> dict[int, dict[str, tor
     return out
 
 
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _step(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Complete checkpoint directories, newest first (intact or not)."""
+    found = [p for p in Path(ckpt_dir).glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, key=_step, reverse=True)
+
+
 def save(ckpt_dir: Path, weights: dict, history: dict, optimizer: dict, state: dict, keep: int) -> Path:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / f"step_{state['version']:06d}"
@@ -35,23 +64,64 @@ def save(ckpt_dir: Path, weights: dict, history: dict, optimizer: dict, state: d
     save_file(_flatten_history(history) or {"empty": torch.zeros(0)}, tmp / "history.safetensors")
     torch.save(optimizer, tmp / "optimizer.pt")
     torch.save(state, tmp / "state.pt")
+    manifest = {"version": state["version"], "sha256": {name: _sha256(tmp / name) for name in FILES}}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    for old in sorted(ckpt_dir.glob("step_*"))[:-keep]:
+    for old in checkpoints(ckpt_dir)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def verify(path: Path) -> None:
+    """Raise CorruptCheckpoint unless every file matches the manifest's checksum."""
+    try:
+        expected = json.loads((path / MANIFEST).read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpoint(f"checkpoint {path}: unreadable {MANIFEST} ({type(e).__name__})") from None
+    for name in FILES:
+        try:
+            ok = _sha256(path / name) == expected.get(name)
+        except OSError as e:
+            raise CorruptCheckpoint(f"checkpoint {path}: cannot read {name} ({e.strerror})") from None
+        if not ok:
+            raise CorruptCheckpoint(f"checkpoint {path}: {name} does not match its checksum (truncated or modified)")
+
+
 def latest(ckpt_dir: Path) -> Path | None:
-    found = sorted(p for p in ckpt_dir.glob("step_*") if (p / "state.pt").exists())
-    return found[-1] if found else None
+    """The newest intact checkpoint."""
+    for path in checkpoints(ckpt_dir):
+        try:
+            verify(path)
+            return path
+        except CorruptCheckpoint:
+            continue
+    return None
 
 
 def load(path: Path) -> tuple[dict, dict, dict, dict]:
-    """(weights, history, optimizer state, trainer state)."""
-    weights = load_file(path / "model.safetensors")
-    flat = load_file(path / "history.safetensors")
+    """(weights, history, optimizer state, trainer state); CorruptCheckpoint if any part fails."""
+    verify(path)
+    try:
+        weights = load_file(path / "model.safetensors")
+        flat = load_file(path / "history.safetensors")
+        optimizer = torch.load(path / "optimizer.pt", weights_only=True)
+        state = torch.load(path / "state.pt", weights_only=True)
+    except (pickle.UnpicklingError, SafetensorError, RuntimeError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CorruptCheckpoint(f"checkpoint {path}: refused to load ({first[:200]})") from None
     flat.pop("empty", None)
-    optimizer = torch.load(path / "optimizer.pt", weights_only=False)
-    state = torch.load(path / "state.pt", weights_only=False)
     return weights, _unflatten_history(flat), optimizer, state
+
+
+def load_latest(ckpt_dir: Path, warn=print) -> tuple[Path, tuple[dict, dict, dict, dict]] | None:
+    """The newest checkpoint that loads, warning about each damaged newer one; None when there is none at all."""
+    found = checkpoints(ckpt_dir)
+    for path in found:
+        try:
+            return path, load(path)
+        except CorruptCheckpoint as e:
+            warn(f"warning: {e}; falling back to the previous checkpoint")
+    if found:
+        raise CorruptCheckpoint(f"{ckpt_dir}: none of its {len(found)} checkpoints is intact; start a new run instead")
+    return None
