@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from nemo_rz.tasks import TASKS, CharTokenizer, evaluate_pass_at_1, jsonl_task, load_jsonl, make_task, safe_reward
-from nemo_rz.tasks.verifiers import exact, numeric
+from nemo_rz.tasks.verifiers import VERIFIERS, exact, numeric
 from nemo_rz.tasks.tokenizer import DEFAULT_CHARS
 
 TOK = CharTokenizer()
@@ -155,6 +155,44 @@ def test_verifiers():
         numeric("1", "one")
 
 
+@pytest.mark.parametrize("verifier, text, answer, reward", [
+    # numeric reads the last number of the response
+    ("numeric", "17 + 25 = 42", "42", 1.0),
+    ("numeric", "The answer is 42.", "42", 1.0),
+    ("numeric", "42, no wait, 43", "42", 0.0),
+    ("numeric", "It is 1,234,567 in total", "1234567", 1.0),
+    ("numeric", "-3.5e2 degrees", "-350", 1.0),
+    ("numeric", "x = 1e999", "1", 0.0),                   # overflow is not a number
+    ("numeric", "\ufffd\ufffd\x00", "0", 0.0),        # garbage bytes: no number, reward 0
+    ("digits", "reversed: 021", "021", 1.0),
+    ("digits", "reversed: 21", "021", 0.0),               # leading zeros count
+    ("digits", "", "021", 0.0),
+    ("boxed", "so \\boxed{\\frac{1}{2}} and finally \\boxed{42}", "42", 1.0),
+    ("boxed", "\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),   # nested braces
+    ("boxed", "\\boxed{42.0}", "42", 1.0),               # numbers compare as numbers
+    ("boxed", "\\boxed{41} then \\boxed{42", "42", 0.0),     # the unclosed last box is skipped: 41
+    ("boxed", "\\boxed{42} then \\boxed{4", "42", 1.0),
+    ("boxed", "42", "42", 0.0),                           # no box
+    ("boxed", "\\boxed{}", "42", 0.0),
+])
+def test_verifier_cases(verifier, text, answer, reward):
+    assert VERIFIERS[verifier](text, answer) == reward
+
+
+def test_math_verifier(monkeypatch):
+    pytest.importorskip("math_verify")
+    math = VERIFIERS["math"]
+    assert math("so the answer is $\\frac{1}{2}$", "0.5") == 1.0
+    assert math("17 + 25 = 42", "42") == 1.0 and math("17 + 25 = 32", "42") == 0.0
+    assert math("no idea", "42") == 0.0 and math("", "\\frac{1}{2}") == 0.0
+    from nemo_rz import extras
+
+    real = extras.importlib.util.find_spec
+    monkeypatch.setattr(extras.importlib.util, "find_spec", lambda n, *a: None if n == "math_verify" else real(n, *a))
+    with pytest.raises(ValueError, match=r'math verifier needs the Python package\(s\) math-verify: pip install "nemo-rz\[math\]"'):
+        math("42", "42")
+
+
 # ---------------------------------------------------------------- reward plumbing
 
 def test_safe_reward():
@@ -185,3 +223,65 @@ def test_evaluate_pass_at_1():
     assert out["pass_at_1"] == 0.0 and out["reward_errors"] == 10 and "token id 999" in out["first_error"]
     with pytest.raises(ValueError, match="returned 0 completions for 10 prompts"):
         evaluate_pass_at_1(lambda ps: [], task)
+
+
+# ---------------------------------------------------------------- data limits (refused before training)
+
+def _rows(n):
+    return [json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) for i in range(n)]
+
+
+def _data_case(tmp_path, case):
+    """(task.options overrides, the text the one-line error must contain) for a bad-data case."""
+    path = tmp_path / "d.jsonl"
+    if case == "no path":
+        return [], "needs task.options.path: set task.options.path=FILE.jsonl"
+    if case == "missing":
+        return [f"task.options.path={tmp_path / 'nope.jsonl'}"], "nope.jsonl: no such file"
+    if case == "directory":
+        return [f"task.options.path={tmp_path}"], "is a directory; give the path of a JSONL file"
+    if case == "not utf-8":
+        path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+        return [f"task.options.path={path}"], "d.jsonl:2: not UTF-8 text (byte 0xe9 at column 16)"
+    if case == "one row":
+        path.write_text(_rows(1)[0] + "\n")
+        return [f"task.options.path={path}"], "1 example(s) leave none to train on"
+    if case == "no held-out":
+        path.write_text("\n".join(_rows(10)) + "\n")
+        return [f"task.options.path={path}", "task.options.heldout_fraction=0"], "heldout_fraction must be in (0, 1)"
+    if case == "huge line":   # 2 MB of prompt: refused by length before any model work (issue: 10 MB -> 5.4 GB)
+        path.write_text("\n".join(_rows(4) + [json.dumps({"prompt": "1+" * 1_000_000 + "1=", "answer": "2"})]) + "\n")
+        return [f"task.options.path={path}"], "d.jsonl:5: the prompt is 2000003 tokens, over the 58 that fit"
+    if case == "bad messages":
+        path.write_text("\n".join(_rows(4) + [json.dumps({"messages": [{"role": "user"}], "answer": "2"})]) + "\n")
+        return [f"task.options.path={path}"], "d.jsonl:5: messages[0] must be an object with exactly 'role' and 'content'"
+    if case == "no answer":
+        path.write_text("\n".join(_rows(4) + [json.dumps({"prompt": "1+1="})]) + "\n")
+        return [f"task.options.path={path}"], "d.jsonl:5: missing key 'answer'"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["no path", "missing", "directory", "not utf-8", "one row", "no held-out", "huge line",
+                                  "bad messages", "no answer"])
+def test_bad_data_is_one_line_before_training(tmp_path, capsys, case):
+    from nemo_rz import train
+
+    options, expected = _data_case(tmp_path, case)
+    rc = train.main(["task.name=jsonl", *options, f"run_dir={tmp_path / 'run'}", "progress=false",
+                     "metrics.tensorboard=false", "warmup.steps=1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: ") and expected in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_few_rows_train(tmp_path):
+    """Three rows hold one out and train on two (five or fewer rows used to fail after the warm-up)."""
+    from nemo_rz import train
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(_rows(3)) + "\n")
+    rc = train.main(["task.name=jsonl", f"task.options.path={path}", f"run_dir={tmp_path / 'run'}", "progress=false",
+                     "metrics.tensorboard=false", "warmup.steps=2", "algo.updates=1", "algo.prompts_per_update=2",
+                     "algo.group_size=2", "checkpoint.every=0"])
+    assert rc == 0 and json.loads((tmp_path / "run" / "summary.json").read_text())["updates"] == 1

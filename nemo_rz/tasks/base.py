@@ -85,8 +85,8 @@ class Task:
                 turns = (("system", self.system_prompt),) + tuple(turns)
             return tok.chat([{"role": r, "content": c} for r, c in turns], add_generation_prompt=True)
         if not isinstance(prompt, str):
-            raise ValueError(f"task {self.name}: a chat-messages prompt needs chat rendering, which is off (no chat "
-                             "template, or task.chat_template=false)")
+            raise ValueError("a chat-messages prompt needs chat rendering, which is off (no chat template, or "
+                             "task.chat_template=false)")
         return tok.encode(prompt, bos=tok.add_bos)
 
     def encode_answer(self, answer: str) -> list[int]:

@@ -7,12 +7,11 @@ HFTokenizer.from_pretrained takes a checkpoint directory (tokenizer files, optio
   - add_bos (the BOS policy): the checkpoint's declared add_bos_token (tokenizer_config.json, or GGUF
     tokenizer.ggml.add_bos_token), else whatever the tokenizer does on its own. transformers' GGUF tokenizer
     never adds BOS, although some GGUF models produce garbage without it;
-  - chat(): transformers 5's apply_chat_template(tokenize=True) returns a mapping, 4.x a list: both give ids here.
+  - chat() returns ids (transformers 5's apply_chat_template(tokenize=True) returns a mapping, 4.x a list).
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 
 from nemo_rz.extras import GGUF, HF_TOKENIZER, require
@@ -121,27 +120,24 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """ids of `messages` under the chat template, with BOS in front when the policy wants it and the
-        template did not write it."""
+        """ids of `messages` under the chat template (rendered, then tokenized without special tokens, as
+        apply_chat_template(tokenize=True) does), with BOS in front when the policy wants it and the template
+        did not write it."""
         if self.chat_template is None:
             raise ValueError(f"{self.name} has no chat template; set task.chat_template=false for plain prompts")
         try:
-            out = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja2 errors, raise_exception() inside templates (e.g. roles must alternate)
             raise ValueError(f"the chat template of {self.name} refused the messages: "
                              f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
-        ids = list(out["input_ids"] if isinstance(out, Mapping) else out)
-        ids = self._checked(ids, messages)
+        ids = self._checked(self.tok(text, add_special_tokens=False)["input_ids"], text)
         return [self.bos_id] + ids if self.add_bos and ids[:1] != [self.bos_id] else ids
 
-    def _checked(self, ids: list[int], source) -> list[int]:
-        """ids, refusing text that came out as the unknown token (a word-level or char vocabulary without it)."""
-        if self._unk is not None and self._unk[0] in ids:
-            text = source if isinstance(source, str) else " ".join(str(m.get("content", "")) for m in source)
-            if self._unk[1] not in text:
-                shown = repr(text) if len(text) <= 60 else repr(text[:60]) + f"... ({len(text)} characters)"
-                raise ValueError(f"{self.name} cannot encode {shown}: part of it maps to the unknown token "
-                                 f"{self._unk[1]!r}")
+    def _checked(self, ids: list[int], text: str) -> list[int]:
+        """ids, refusing text that came out as the unknown token (a word-level vocabulary without a byte fallback)."""
+        if self._unk is not None and ids.count(self._unk[0]) > text.count(self._unk[1]):
+            shown = repr(text) if len(text) <= 60 else repr(text[:60]) + f"... ({len(text)} characters)"
+            raise ValueError(f"{self.name} cannot encode {shown}: part of it maps to the unknown token {self._unk[1]!r}")
         return ids
 
     def __repr__(self) -> str:
