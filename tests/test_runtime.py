@@ -100,7 +100,7 @@ def test_train_cli_runs_and_reports(tmp_path, capsys):
         (["algo.max_lga=3"], "unknown config key 'algo.max_lga' in the command line; did you mean algo.max_lag?"),
         (["algo.loss=dpo"], "algo.loss = 'dpo'"),
         (["task.name=add9"], "task.name = 'add9'"),
-        (["--config", "missing.yaml"], "no such file"),
+        (["--config", "missing.yaml"], "--config missing.yaml"),
         (["resume=/nonexistent/run"], "config.yaml not found"),
     ],
 )

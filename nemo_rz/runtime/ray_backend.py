@@ -104,11 +104,14 @@ class RayBackend:
         self.futures.clear()
 
 
+_TOKEN = secrets.token_hex(32)  # one per process: Ray's client caches the first token it reads
+
+
 def require_token() -> None:
-    """Token authentication, with a fresh random token unless the user gave one, for the cluster ray.init is
+    """Token authentication, with a random per-run token unless the user gave one, for the cluster ray.init is
     about to start. With RAY_AUTH_MODE unset, ray.init turns token mode on for a new local cluster (also in a
     process that imported ray earlier) and, finding RAY_AUTH_TOKEN, writes no token file."""
     os.environ.pop("RAY_AUTH_MODE", None)  # "disabled" included: this back-end never starts an open cluster
-    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    os.environ.setdefault("RAY_AUTH_TOKEN", _TOKEN)
     # Ray would announce the mode with a hint to opt out of it: not advice to give here.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
