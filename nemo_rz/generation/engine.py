@@ -22,7 +22,6 @@ from nemo_rz import ops
 from nemo_rz.generation.prefix_cache import PrefixCache
 from nemo_rz.generation.sampling import Completion, SamplingParams, checked_requests
 from nemo_rz.models.decoder import Decoder
-from nemo_rz.ops.tiles import to_tiles
 
 
 
@@ -194,11 +193,11 @@ class RolloutEngine:
         greedy = [i for i, t in enumerate(temps) if t == 0]
         if len(greedy) == rows:
             return logp.argmax(1)
-        # exp over whole row tiles (no scalar tail), then a per-row sequential float64 prefix sum.
-        cdf = torch.cumsum(torch.exp(to_tiles(logp)).view(-1, vocab), 1, dtype=torch.float64)
+        # Row-invariant probabilities, then a per-row sequential float64 prefix sum.
+        cdf = torch.cumsum(ops.probabilities(logp), 1, dtype=torch.float64)
         u = torch.tensor([0.0 if t == 0 else r.uniforms[len(r.tokens)] for r, t in zip(sampling, temps)], dtype=torch.float64)
-        x = (u * cdf[:rows, -1]).unsqueeze(1)  # < the row's total mass
-        tokens = torch.searchsorted(cdf[:rows], x, right=True).squeeze(1).clamp_(max=vocab - 1)
+        x = (u * cdf[:, -1]).unsqueeze(1)  # < the row's total mass
+        tokens = torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=vocab - 1)
         if greedy:
             idx = torch.tensor(greedy)
             tokens[idx] = logp[idx].argmax(1)

@@ -9,7 +9,7 @@ from nemo_rz.ops.activation import silu_and_mul
 from nemo_rz.ops.aten import batch_invariant
 from nemo_rz.ops.attention import ATTN_TILE_ROWS, KV_BLOCK, AttentionPlan, attention
 from nemo_rz.ops.linear import embedding, linear
-from nemo_rz.ops.logprobs import log_softmax, token_logprobs
+from nemo_rz.ops.logprobs import log_softmax, probabilities, token_logprobs
 from nemo_rz.ops.mode import MODES, get_mode, mode, set_mode
 from nemo_rz.ops.norm import rms_norm
 from nemo_rz.ops.rope import rope, rope_cos_sin
@@ -17,5 +17,5 @@ from nemo_rz.ops.tiles import TILE_ROWS
 
 __all__ = [
     "ATTN_TILE_ROWS", "AttentionPlan", "MODES", "KV_BLOCK", "TILE_ROWS", "attention", "batch_invariant", "embedding", "get_mode", "linear",
-    "log_softmax", "mode", "rms_norm", "rope", "rope_cos_sin", "set_mode", "silu_and_mul", "token_logprobs",
+    "log_softmax", "mode", "probabilities", "rms_norm", "rope", "rope_cos_sin", "set_mode", "silu_and_mul", "token_logprobs",
 ]

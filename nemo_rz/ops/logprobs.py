@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from nemo_rz.ops.dispatch import on_gpu_kernels
 from nemo_rz.ops.mode import consistent
 from nemo_rz.ops.tiles import TILE_ROWS, from_tiles, row_sum, to_tiles
-from nemo_rz.ops.verified import log_softmax_verified
+from nemo_rz.ops.verified import by_rows, rowwise_route
 
 SUM_BLOCK = 256  # the vocabulary is summed in blocks of this many entries, then the block sums are summed
 
@@ -32,9 +32,14 @@ def log_softmax(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:
 
         return kernels.log_softmax(logits, float(temperature))
     x = _scaled(logits, temperature)
-    if log_softmax_verified(x.shape[-1], x.dtype, x.device):
-        return torch.log_softmax(x, dim=-1)
+    route = rowwise_route("log_softmax", _library_log_softmax, x.shape[-1], x.dtype, x.device)
+    if route is not None:
+        return by_rows(_library_log_softmax, x, route)
     return _log_softmax_tiled(x)
+
+
+def _library_log_softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(x, dim=-1)
 
 
 def _log_softmax_tiled(x: torch.Tensor) -> torch.Tensor:
@@ -50,6 +55,15 @@ def _log_softmax_tiled(x: torch.Tensor) -> torch.Tensor:
     blocks = F.pad(e, (0, pad)).view(-1, TILE_ROWS, SUM_BLOCK)  # each row's blocks, whole tiles of them
     partial = row_sum(blocks).view(-1, TILE_ROWS, (vocab + pad) // SUM_BLOCK)
     return from_tiles(shifted - torch.log(row_sum(partial)), rows)
+
+
+def probabilities(logprobs: torch.Tensor) -> torch.Tensor:
+    """exp of [M, V] log-probabilities, each row's bits independent of the other rows (for sampling)."""
+    route = rowwise_route("exp", torch.exp, logprobs.shape[-1], logprobs.dtype, logprobs.device)
+    if route is not None:
+        return by_rows(torch.exp, logprobs, route)
+    # Whole row tiles: no element falls into a vectorised loop's scalar tail.
+    return from_tiles(torch.exp(to_tiles(logprobs)), logprobs.shape[0])
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature=1.0) -> torch.Tensor:

@@ -6,13 +6,16 @@ import torch
 from nemo_rz.ops.dispatch import compute_dtype, on_gpu_kernels
 from nemo_rz.ops.mode import consistent
 from nemo_rz.ops.tiles import from_tiles, row_sum, to_tiles
+from nemo_rz.ops.verified import by_rows, rowwise_route
+
+
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not consistent():
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * y.to(x.dtype)
+        return weight * _normalized(x.float(), eps).to(x.dtype)
     shape, h = x.shape, x.shape[-1]
     rows = x.reshape(-1, h)
     if on_gpu_kernels(x):
@@ -20,6 +23,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
         return kernels.rms_norm(rows, weight, eps).reshape(shape)
     dt = compute_dtype(x)
+    route = rowwise_route("rms_norm", lambda r: _normalized(r, 1e-6), h, dt, x.device)
+    if route is not None:
+        y = by_rows(lambda r: _normalized(r, eps), rows if rows.dtype == dt else rows.to(dt), route)
+        return (weight * y.to(x.dtype)).view(shape)
     t = to_tiles(rows if rows.dtype == dt else rows.to(dt))
     # mean(x^2) is a fixed-shape product with a column of 1/h; rsqrt is 1 / sqrt, both correctly rounded, so
     # every code path (vector body or tail) gives the same bits.

@@ -2,95 +2,130 @@
 
 The fixed row tiles (tiles.py) are row-invariant by construction, but cost one small BLAS product per 32 rows
 (and a slow backward). Some platform kernels are row-invariant by themselves: with one thread, MKL's float32
-GEMM gives a row the same bits for every row count M >= 4 at every position (torch 2.13 CPU, AVX-512), and
-ATen's last-dim log_softmax computes each row alone. That is a property of the BLAS build, the CPU and the
-thread count, not a promise, so nemo_rz uses a library kernel only after a probe on this machine has compared,
-bit for bit, every row of calls over a spread of row counts against one reference call of a chunk of rows.
-GEMM calls are then never larger than that chunk nor smaller than MIN_ROWS (padded), so every row count that
-can occur lies in the probed range. A shape that fails its probe, or a thread count other than one, keeps the
-fixed tiles. (MKL's GEMM is row-invariant only with the weight as a contiguous [K, N] matrix: with the
-transposed view of a [N, K] Linear weight, calls of up to 15 rows take another path.)
+GEMM gives a row the same bits for every row count from 2 up to a shape-dependent size (torch 2.13 CPU,
+AVX-512), and ATen's last-dim log_softmax, RMSNorm's mean of squares and silu compute each row alone. That is a
+property of the BLAS build, the CPU and the thread count, not a promise, so nemo_rz uses a library kernel only
+after a probe on this machine has compared, bit for bit, every row of calls over a spread of row counts against
+one reference call of a chunk of rows. The probe yields a `Route`: calls are then never larger than its chunk
+nor smaller than its min_rows (zero-padded), so every row count that can occur lies in the probed range. A
+shape that fails its probe, or a thread count other than one, keeps the fixed tiles.
+
+What the probes found here: MKL's GEMM is row-invariant only with the weight as a contiguous [K, N] matrix (with
+the transposed view of a [N, K] Linear weight, calls of up to 15 rows take other paths); one row (a
+matrix-vector product) always takes another path; and MKL switches paths at some row count that depends on the
+shape (between 128 and 200 rows for K=4864, N=896), hence several chunk sizes.
 
 `NEMO_RZ_VERIFIED=0` turns the library routes off (fixed tiles everywhere).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
-MIN_ROWS = 4  # MKL takes other paths for 1-3 rows (checked): smaller calls are zero-padded to 4
-# Calls larger than a chunk of rows are cut into chunks. MKL switches GEMM paths at some row count that depends
-# on the shape (e.g. between 128 and 200 rows for K=4864, N=896): the largest chunk size whose probe passes is used.
-CHUNK_ROWS = (256, 128, 64)
+CHUNK_ROWS = (256, 128, 64)  # chunk sizes tried, largest first
+MAX_MIN_ROWS = 4  # a route may pad calls up to this many rows, no more
 # Row counts probed (those below the chunk size) against one call of a whole chunk: every count up to 17 (small
 # decode batches, where BLAS paths change most), then both sides of the powers of two where blocking changes.
-PROBE_ROWS = tuple(range(MIN_ROWS, 18)) + (23, 31, 32, 33, 47, 63, 64, 65, 96, 127, 128, 129, 191, 200, 255)
+PROBE_ROWS = tuple(range(1, 18)) + (23, 31, 32, 33, 47, 63, 64, 65, 96, 127, 128, 129, 191, 200, 255)
+BMM_ROWS = (4, 8, 16, 32)  # per-matrix row counts a batched product may be called with (attention tiles)
 
+_ALIGN = 64  # bytes: the CPU allocator's alignment; a view off it is copied, so the library sees what the probe saw
 _ENABLED = os.environ.get("NEMO_RZ_VERIFIED", "1") != "0"
 _RESULTS: dict = {}
 _LOCK = threading.Lock()
 
 
-def rows_invariant(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> bool:
-    """Does fn (a row-wise map of [M, K] -> [M, N]) give each row of `rows` ([C, K]) the same bits for every
-    probed row count below C and every offset as in one call on all C rows?"""
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Calls of min_rows..chunk rows give every row the same bits."""
+
+    chunk: int
+    min_rows: int
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    if not x.is_contiguous():
+        return x.contiguous()
+    return x if x.data_ptr() % _ALIGN == 0 else x.clone()
+
+
+def by_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, route: Route) -> torch.Tensor:
+    """fn (a row-wise map) over x [M, K] in calls of route.min_rows..route.chunk rows: fewer rows are
+    zero-padded, more are cut into chunks. Differentiable."""
+    m, low_rows = x.shape[0], route.min_rows
+    if m < low_rows:
+        return fn(F.pad(x, (0, 0, 0, low_rows - m)))[:m]
+    if m <= route.chunk:
+        return fn(_aligned(x))
+    parts = []
+    for start in range(0, m, route.chunk):
+        stop = min(start + route.chunk, m)
+        low = min(start, stop - low_rows)  # a short last chunk is computed inside a min_rows call ending with it
+        parts.append(fn(_aligned(x[low:stop]))[start - low :])
+    return torch.cat(parts)
+
+
+def failing_rows(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> list[int]:
+    """The probed row counts M (below C) for which fn, a row-wise map of [M, K] -> [M, N], gives some row of
+    `rows` ([C, K]) other bits than one call on all C rows."""
     reference, total = fn(rows), rows.shape[0]
+    bad = []
     for m in (m for m in PROBE_ROWS if m < total):
         start = (m * 37) % (total - m + 1)  # rows from all over the reference
-        # A fresh (aligned, contiguous) input, as the routed callers hand the library.
+        # A fresh (aligned, contiguous) input, as by_rows hands the library.
         if not torch.equal(fn(rows[start : start + m].clone()), reference[start : start + m]):
-            return False
-    return True
+            bad.append(m)
+    return bad
 
 
-def verified(kind: str, key: tuple, probe: Callable[[], bool]) -> bool:
-    """True if the library route for (kind, key) passed its probe in this process (run once, on first ask)."""
+def verified(kind: str, key: tuple, probe: Callable[[], object]):
+    """probe()'s result for (kind, key), computed once per process; None where library routes are off."""
     if not _ENABLED or torch.get_num_threads() != 1:
-        return False
+        return None
     full_key = (kind, *key)
-    ok = _RESULTS.get(full_key)
-    if ok is None:
+    if full_key not in _RESULTS:
         with _LOCK:
-            ok = _RESULTS.get(full_key)
-            if ok is None:
+            if full_key not in _RESULTS:
                 with torch.no_grad():
-                    ok = _RESULTS[full_key] = bool(probe())
-    return ok
+                    _RESULTS[full_key] = probe()
+    return _RESULTS[full_key]
 
 
-def _probe_rows(rows: int, k: int, dtype: torch.dtype, device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(k)
-    return torch.randn(rows, k, generator=g).to(dtype=dtype, device=device)
-
-
-def matmul_chunk_rows(k: int, n: int, dtype: torch.dtype, device) -> int:
-    """The largest chunk size C in CHUNK_ROWS for which torch.mm(x, w_t), x [M, k], w_t a contiguous [k, n],
-    is row-invariant here for MIN_ROWS <= M <= C; 0 if none is (then the fixed tiles are used)."""
+def _route(fn: Callable[[torch.Tensor], torch.Tensor], features: int, dtype, device) -> Route | None:
+    """The largest chunk whose probe fails only below MAX_MIN_ROWS rows, with the smallest safe min_rows."""
     for chunk in CHUNK_ROWS:
-
-        def probe() -> bool:
-            g = torch.Generator().manual_seed(n)
-            w_t = (torch.randn(k, n, generator=g) / k ** 0.5).to(dtype=dtype, device=device)
-            return rows_invariant(lambda x: torch.mm(x, w_t), _probe_rows(chunk, k, dtype, device))
-
-        if verified("mm", (k, n, chunk, dtype, str(device)), probe):
-            return chunk
-    return 0
+        g = torch.Generator().manual_seed(features)
+        rows = (torch.randn(chunk, features, generator=g) * 4.0).to(dtype=dtype, device=device)
+        bad = failing_rows(fn, rows)
+        if all(m < MAX_MIN_ROWS for m in bad):
+            return Route(chunk, max(bad, default=0) + 1)
+    return None
 
 
-def log_softmax_verified(v: int, dtype: torch.dtype, device) -> bool:
-    """Is torch.log_softmax(x, -1) row-invariant here for x [M, v]?"""
+def matmul_route(k: int, n: int, dtype: torch.dtype, device) -> Route | None:
+    """How torch.mm(x, w_t), x [M, k], w_t a contiguous [k, n], is row-invariant here (None: it is not)."""
 
-    def probe() -> bool:
-        return rows_invariant(lambda x: torch.log_softmax(x, -1), _probe_rows(CHUNK_ROWS[0], v, dtype, device) * 4.0)
+    def probe() -> Route | None:
+        g = torch.Generator().manual_seed(n)
+        w_t = (torch.randn(k, n, generator=g) / k ** 0.5).to(dtype=dtype, device=device)
+        return _route(lambda x: torch.mm(x, w_t), k, dtype, device)
 
-    return verified("log_softmax", (v, dtype, str(device)), probe)
+    return verified("mm", (k, n, dtype, str(device)), probe)
 
 
-BMM_ROWS = (4, 8, 16, 32)  # per-matrix row counts a batched product may be called with (attention tiles)
+def rowwise_route(name: str, fn: Callable[[torch.Tensor], torch.Tensor], features: int, dtype: torch.dtype,
+                  device) -> Route | None:
+    """How fn, a row-wise op named `name` (log_softmax, rms_norm, silu, exp), is row-invariant on [M, features].
+
+    Row-wise reductions and element-wise maths can still depend on M: a reduction split across threads, or a
+    vectorised loop whose scalar tail rounds differently (exp, log) when M * features is not a whole number of
+    SIMD steps."""
+    return verified(name, (features, dtype, str(device)), lambda: _route(fn, features, dtype, device))
 
 
 def bmm_verified(k: int, n: int, dtype: torch.dtype, device) -> bool:
@@ -112,4 +147,4 @@ def bmm_verified(k: int, n: int, dtype: torch.dtype, device) -> bool:
                         return False
         return True
 
-    return verified("bmm", (k, n, dtype, str(device)), probe)
+    return bool(verified("bmm", (k, n, dtype, str(device)), probe))
