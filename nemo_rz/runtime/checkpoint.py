@@ -75,6 +75,8 @@ def save(ckpt_dir: Path, weights: dict, history: dict, optimizer: dict, state: d
 
 def verify(path: Path) -> None:
     """Raise CorruptCheckpoint unless every file matches the manifest's checksum."""
+    if not (path / MANIFEST).is_file():
+        raise CorruptCheckpoint(f"checkpoint {path}: no {MANIFEST} (incomplete, or written before checkpoints had checksums)")
     try:
         expected = json.loads((path / MANIFEST).read_text())["sha256"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -123,5 +125,5 @@ def load_latest(ckpt_dir: Path, warn=print) -> tuple[Path, tuple[dict, dict, dic
         except CorruptCheckpoint as e:
             warn(f"warning: {e}; falling back to the previous checkpoint")
     if found:
-        raise CorruptCheckpoint(f"{ckpt_dir}: none of its {len(found)} checkpoints is intact; start a new run instead")
+        raise CorruptCheckpoint(f"{ckpt_dir}: none of its {len(found)} checkpoints is intact; start a new run in another run_dir")
     return None
