@@ -235,15 +235,19 @@ def test_a_second_trainer_on_a_run_directory_is_refused(tmp_path, capsys):
 # -- Ray back-end -----------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_ray_actor_that_fails_in_its_constructor_is_given_up_on():
+@pytest.mark.parametrize("case, kwargs, temperature, error", [
+    ("constructor", worker_kwargs(generation_backend="nope"), 1.0, "ValueError: generation.backend = 'nope'"),
+    ("job", worker_kwargs(), -1.0, "ValueError: SamplingParams.temperature = -1.0"),
+])
+def test_a_ray_actor_that_keeps_failing_stops_the_run_with_its_own_error(case, kwargs, temperature, error):
     pytest.importorskip("ray")
     from nemo_rz.runtime.ray_backend import RayBackend
 
-    backend = RayBackend(worker_kwargs(generation_backend="nope"), num_workers=1, ring_slots=1, budget=RestartBudget(limit=2))
+    backend = RayBackend(kwargs, num_workers=1, ring_slots=1, budget=RestartBudget(limit=1))
     try:
         backend.publish(0, weights())
-        backend.submit(job(0))
+        backend.submit(job(0, temperature))
         message = poll_until_failed(backend)
     finally:
         backend.close()
-    assert "ValueError: generation.backend = 'nope'" in message and "failed 3 times" in message and "\n" not in message
+    assert error in message and "failed 2 times" in message and "\n" not in message
