@@ -14,12 +14,9 @@ from nemo_rz import config, train
 from nemo_rz.runtime import checkpoint
 from nemo_rz.runtime.trainer import Trainer
 
+from test_faults import TINY
+
 ROOT = Path(__file__).resolve().parent.parent
-TINY = [
-    "task.name=add1", "warmup.steps=40", "warmup.lr=0.003", "algo.prompts_per_update=4", "algo.group_size=4", "eval.n=16",
-    "eval.every=0", "model.hidden_size=32", "model.intermediate_size=64", "progress=false", "metrics.tensorboard=false",
-    "metrics.decomposition_every=0",
-]
 
 
 class Payload:
