@@ -5,6 +5,9 @@ configuration's own kind. Numerical divergence during training is not bad input:
 """
 from __future__ import annotations
 
+import argparse
+import sys
+
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
 EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
@@ -16,3 +19,11 @@ class ConfigError(ValueError):
 
 class DivergenceError(RuntimeError):
     """Training diverged: a non-finite or exploding loss, gradient norm or weight."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse reporting a bad argument as one line and exit code 2 (instead of the usage text, then the error)."""
+
+    def error(self, message):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)

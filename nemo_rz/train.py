@@ -6,7 +6,7 @@ config.yaml, metrics.jsonl, TensorBoard events, checkpoints/, plots/*.png and su
 """
 from __future__ import annotations
 
-import argparse
+import errno
 import json
 import os
 import sys
@@ -16,6 +16,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from nemo_rz import config as config_lib
+from nemo_rz.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED, ArgumentParser, ConfigError, DivergenceError
 from nemo_rz.runtime import runlock
 
 
@@ -26,27 +27,27 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _prepare(argv) -> tuple:
-    ap = argparse.ArgumentParser(prog="python -m nemo_rz.train", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", help="YAML file merged over conf/default.yaml")
+    """The validated config and its run directory. A new run writes config.yaml now; a resumed run only
+    once its checkpoint is restored (run()), so that a refused resume leaves the run directory untouched."""
+    ap = ArgumentParser(prog="python -m nemo_rz.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", help="YAML file merged over conf/default.yaml (on resume: over the run's config)")
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. algo.max_lag=8 runtime.rollout_workers=2")
     args = ap.parse_args(argv)
-    cfg = config_lib.load(args.config, args.overrides)
+    cfg = config_lib.load(args.config, args.overrides, log=print)
     if cfg.resume:
         run_dir = Path(cfg.resume)
-        saved = run_dir / "config.yaml"
-        if not saved.is_file():
-            raise ValueError(f"resume={cfg.resume}: {saved} not found; point resume at a run directory made by nemo_rz.train")
-        # The saved config, with this command line's overrides on top (e.g. more algo.updates).
-        cfg = OmegaConf.merge(OmegaConf.load(saved), OmegaConf.from_dotlist([o for o in args.overrides if not o.startswith("resume=")]))
-        cfg.resume = str(run_dir)
     else:
         run_dir = Path(cfg.run_dir or f"runs/{cfg.task.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         if (run_dir / "checkpoints").exists() or (run_dir / "metrics.jsonl").exists():
-            raise ValueError(f"run_dir {run_dir} already holds a run; pass resume={run_dir} to continue it or choose a new run_dir")
-        run_dir.mkdir(parents=True, exist_ok=True)
+            raise ConfigError(f"run_dir {run_dir} already holds a run; pass resume={run_dir} to continue it or choose a new run_dir")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"run_dir {run_dir}: cannot create it ({e.strerror}); choose another run_dir") from None
         cfg.run_dir = str(run_dir)
     runlock.lock(run_dir)  # a second trainer on this run directory stops here, before writing anything
-    _write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg))
+    if not cfg.resume:
+        _write_atomic(run_dir / config_lib.RUN_CONFIG, OmegaConf.to_yaml(cfg))
     return cfg, run_dir
 
 
@@ -54,6 +55,8 @@ def run(cfg, run_dir: Path) -> dict:
     from nemo_rz.runtime.trainer import Trainer
 
     trainer = Trainer(cfg, run_dir, Path(cfg.resume) if cfg.resume else None)
+    if cfg.resume:  # restored: the changes this resume made (already checked) now belong to the run
+        _write_atomic(run_dir / config_lib.RUN_CONFIG, OmegaConf.to_yaml(cfg))
     if cfg.metrics.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -97,13 +100,33 @@ def print_summary(summary: dict, run_dir: Path) -> None:
           f"max grad norm: {summary['max_grad_norm']:.3g}")
 
 
+def _os_error(e: OSError, run_dir: Path | None) -> str:
+    where = f"{e.filename}: " if e.filename else ""
+    if e.errno == errno.ENOSPC:
+        return f"{where}no space left on the device; free some space, then " + (f"resume with resume={run_dir}" if run_dir else "run again")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{where}{e.strerror}; choose a writable run_dir (or fix its permissions)"
+    return f"{where}{e.strerror or e}"
+
+
 def main(argv=None) -> int:
+    """Every failure a user can cause is one line on stderr: bad input exit 2, divergence 3, Ctrl-C 130."""
+    run_dir = None
     try:
         cfg, run_dir = _prepare(argv)
         summary = run(cfg, run_dir)
-    except ValueError as e:  # bad config, data or model files: one line, exit 2 (DESIGN.md contract 7)
+    except KeyboardInterrupt:
+        print(f"interrupted; resume with resume={run_dir}" if run_dir else "interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except DivergenceError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_DIVERGED
+    except ValueError as e:  # bad config, data, checkpoints or model files
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:  # an unwritable run directory, a full disk
+        print(f"error: {_os_error(e, run_dir)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print_summary(summary, run_dir)
     return 0
 

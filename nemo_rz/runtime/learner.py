@@ -6,20 +6,27 @@ import math
 import torch
 
 from nemo_rz import algorithms
+from nemo_rz.errors import DivergenceError
 from nemo_rz.generation.packing import Packed
 from nemo_rz.metrics import decomposition
 from nemo_rz.models import Decoder
 
+LOSSES = ("reinforce_zero", "ppo_clip")
+# A stable step moves the weights by a small fraction of their norm (about 0.3% at the default learning
+# rate): a step that more than doubles the whole norm is divergence, even while the weights are finite.
+MAX_WEIGHT_GROWTH = 2.0
 
-class NonFiniteError(ValueError):
-    pass
+
+def weight_norm(model: torch.nn.Module) -> float:
+    """L2 norm of all parameters, accumulated in float64 so that huge float32 weights do not overflow it."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2 for p in model.parameters()))
 
 
 class Learner:
     def __init__(self, model: Decoder, lr: float, grad_clip: float | None, temperature: float, loss: str,
                  correction: str, correction_params: dict, ppo_clip_eps: float = 0.2):
-        if loss not in ("reinforce_zero", "ppo_clip"):
-            raise ValueError(f"algo.loss = {loss!r}: use reinforce_zero or ppo_clip")
+        if loss not in LOSSES:
+            raise ValueError(f"algo.loss = {loss!r}: use one of {', '.join(LOSSES)}")
         self.model = model
         self.opt = torch.optim.Adam(model.parameters(), lr=lr)
         self.grad_clip, self.temperature, self.loss = grad_clip, temperature, loss
@@ -30,34 +37,46 @@ class Learner:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def _apply(self, loss: torch.Tensor, what: str) -> float:
+        """Step on `loss`; DivergenceError on a non-finite loss or gradient norm, or on weights that the step
+        made non-finite or exploded (the caller must then not keep them)."""
         if not torch.isfinite(loss):
-            raise NonFiniteError(f"{what}: loss is {loss.item()}; lower the learning rate or check the data")
+            raise DivergenceError(f"{what}: loss is {loss.item()}")
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or math.inf)
         if not torch.isfinite(norm):
-            raise NonFiniteError(f"{what}: gradient norm is {norm.item()}; lower the learning rate or check the data")
+            raise DivergenceError(f"{what}: gradient norm is {norm.item()}")
         if norm > 0:  # no signal (all advantages 0, or every token rejected): Adam momentum must not move the policy
+            before = weight_norm(self.model)
             self.opt.step()
+            after = weight_norm(self.model)
+            if not math.isfinite(after):
+                raise DivergenceError(f"{what}: weights are not finite after the step (norm {after})")
+            if before > 0 and after > MAX_WEIGHT_GROWTH * before:
+                raise DivergenceError(f"{what}: weight norm grew from {before:.3g} to {after:.3g} in one step "
+                                      f"(more than {MAX_WEIGHT_GROWTH:g}x)")
         return float(norm)
 
-    def rl_step(self, batch: Packed, advantages: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
+    def rl_step(self, batch: Packed, advantages: torch.Tensor, what: str = "RL update") -> tuple[dict[str, float], torch.Tensor]:
         """One update; returns its metrics and the learner logprobs it used (detached, pre-update weights)."""
         self.model.train()
         lp = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature)
+        nan = int(torch.isnan(lp.detach()[batch.mask.bool()]).sum())
+        if nan:  # the learner's own numbers broke (a mismatch with the rollout would give finite or -inf values)
+            raise DivergenceError(f"{what}: the learner's logprobs are NaN on {nan} token(s) (weight norm {weight_norm(self.model):.3g})")
         if self.loss == "ppo_clip":
             loss, m = algorithms.ppo_clip_loss(lp, batch.rollout_logprobs, advantages, batch.mask, clip_eps=self.ppo_clip_eps)
         else:
             loss, m = algorithms.reinforce_zero_loss(lp, batch.rollout_logprobs, advantages, batch.mask, self.correction, **self.correction_params)
-        m["grad_norm"] = self._apply(loss, "RL update")
+        m["grad_norm"] = self._apply(loss, what)
         return m, lp.detach()
 
-    def sft_step(self, ids: torch.Tensor, lengths: torch.Tensor, target_mask: torch.Tensor) -> float:
+    def sft_step(self, ids: torch.Tensor, lengths: torch.Tensor, target_mask: torch.Tensor, what: str = "warm-up") -> float:
         """Supervised warm-up: mean negative log-likelihood of the target tokens."""
         self.model.train()
         lp = self.model.token_logprobs(ids, lengths)
         loss = -(lp * target_mask).sum() / target_mask.sum()
-        self._apply(loss, "warm-up")
+        self._apply(loss, what)
         return float(loss.detach())
 
     @torch.no_grad()

@@ -7,14 +7,15 @@ them in one padded batch. Prints a table and writes JSON (--out).
 """
 from __future__ import annotations
 
-import argparse
 import json
+import math
 import os
 
 import torch
 
 from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
+from nemo_rz.errors import ArgumentParser
 from nemo_rz.generation.packing import pack
 from nemo_rz.metrics import mismatch_metrics
 from nemo_rz.tools.common import fail, load_model, random_prompts
@@ -35,17 +36,26 @@ def check(model, batch_sizes, max_new_tokens=32, prompt_len=(4, 24), temperature
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nemo_rz.tools.check_mismatch", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m nemo_rz.tools.check_mismatch", description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="Hugging Face checkpoint directory (default: a tiny random model)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--mode", choices=ops.MODES, default=ops.get_mode())
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="check_mismatch.json", help="where to write the JSON report")
     args = ap.parse_args(argv)
     if any(b < 1 for b in args.batch_sizes):
         fail(f"--batch-sizes {args.batch_sizes}: every batch size must be >= 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        fail(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy)")
+    if args.max_new_tokens < 1:
+        fail(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    folder = os.path.dirname(os.path.abspath(args.out))
+    problem = ("it is a directory" if os.path.isdir(args.out) else f"no folder {folder}" if not os.path.isdir(folder)
+               else f"{folder} is not writable" if not os.access(folder, os.W_OK) else None)
+    if problem:  # checked before the work, which an unwritable --out would waste
+        fail(f"--out {args.out}: cannot write there ({problem}); choose a writable path")
     try:
         model = load_model(args.model, args.seed)
     except ValueError as e:
@@ -57,9 +67,12 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['batch_size']:>6} {r['tokens']:>8} {r['diff_tokens']:>8} {r['max_abs_diff']:>11.3e} {r['k3']:>11.3e}")
     tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(dict(mode=args.mode, model=args.model, rows=rows), f, indent=2)
-    os.replace(tmp, args.out)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(dict(mode=args.mode, model=args.model, rows=rows), f, indent=2)
+        os.replace(tmp, args.out)
+    except OSError as e:
+        fail(f"--out {args.out}: cannot write it ({e.strerror})")
     print(f"wrote {args.out}")
     return 0
 

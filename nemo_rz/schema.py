@@ -1,0 +1,218 @@
+"""Every configuration key's type, valid range, and whether a resumed run may change it: declared once, here.
+
+validate(cfg) checks a merged config before any work and returns it resolved (interpolations replaced, ints
+given for floats made floats); the first bad key raises ConfigError naming the key, its value and what is
+valid, in a fraction of a second: nothing here imports torch. The task registry is read lazily (after the
+plain checks); the small fixed sets that code also checks (kernel modes, losses, corrections, dtypes) are
+written out here, and tests/test_config.py checks them against the code's own tuples.
+
+A new key: add it to conf/default.yaml (with a comment) and a line to SCHEMA; tests/test_config.py checks
+that the two agree and that the defaults pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from nemo_rz.errors import ConfigError
+
+MAX_SEED = 99_999_999  # rollout seeds are (seed * 1_000_003 + update) * 65_536 + i: must stay below 2**64
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    kind: str  # int | float | bool | str | choice | mapping
+    lo: float | None = None  # inclusive, or exclusive when lo_open
+    hi: float | None = None
+    lo_open: bool = False
+    choices: tuple | Callable[[], tuple] | None = None  # a callable is a registry, read when checked
+    optional: bool = False  # null allowed
+    null_means: str = ""  # what null does, for the error message
+    why: str = ""  # the reason for a range that is not obvious
+    fixed: bool = False  # a resumed run may not change it (the checkpoint depends on it)
+
+    def expected(self) -> str:
+        if self.kind == "choice":
+            text = "one of " + ", ".join(map(_show, self._choices()))
+        elif self.kind in ("int", "float"):
+            noun = "an integer" if self.kind == "int" else "a finite number"
+            if self.lo is not None and self.hi is not None:
+                text = f"{noun} in {self.lo}..{self.hi}"
+            elif self.lo is not None:
+                text = f"{noun} {'>' if self.lo_open else '>='} {self.lo}"
+            else:
+                text = noun
+        else:
+            text = {"bool": "true or false", "str": "a string", "mapping": "a mapping of keys"}[self.kind]
+        if self.optional:
+            text += f", or null{' ' + self.null_means if self.null_means else ''}"
+        return text + (f" ({self.why})" if self.why else "")
+
+    def _choices(self) -> tuple:
+        return self.choices() if callable(self.choices) else self.choices
+
+    def check(self, value: Any) -> Any:
+        """The value, normalised (an int given for a float becomes a float); None when it is not valid."""
+        if value is None:
+            return None if not self.optional else _NULL
+        if self.kind == "bool":
+            return value if isinstance(value, bool) else None
+        if self.kind == "str":  # run_dir=2024 arrives as an int
+            return value if isinstance(value, str) else str(value) if type(value) is int else None
+        if self.kind == "mapping":
+            return value if isinstance(value, dict) else None
+        if self.kind == "choice":
+            return value if any(value == c and type(value) is type(c) for c in self._choices()) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        if self.kind == "int":
+            if not isinstance(value, int):
+                return None
+        else:
+            value = float(value)
+            if not math.isfinite(value):
+                return None
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return None
+        if self.hi is not None and value > self.hi:
+            return None
+        return value
+
+
+_NULL = object()  # check() result for a valid null (None itself means "not valid")
+
+
+def _show(choice) -> str:
+    return str(choice).lower() if isinstance(choice, bool) else str(choice)
+
+
+def _registry(module: str, name: str) -> Callable[[], tuple]:
+    return lambda: tuple(getattr(importlib.import_module(module), name))
+
+
+def Int(lo=None, hi=None, **kw) -> Key:
+    return Key("int", lo, hi, **kw)
+
+
+def Float(lo=None, hi=None, **kw) -> Key:
+    return Key("float", lo, hi, **kw)
+
+
+def Positive(**kw) -> Key:
+    return Key("float", 0, lo_open=True, **kw)
+
+
+def Choice(choices, **kw) -> Key:
+    return Key("choice", choices=choices, **kw)
+
+
+def Bool(**kw) -> Key:
+    return Key("bool", **kw)
+
+
+def Str(**kw) -> Key:
+    return Key("str", **kw)
+
+
+KERNEL_MODES = ("consistent", "fast")  # nemo_rz.ops.MODES
+
+SCHEMA: dict[str, Key] = {
+    "seed": Int(0, MAX_SEED, fixed=True),
+    "run_dir": Str(optional=True, null_means="for runs/<task>-<timestamp>"),
+    "resume": Str(optional=True, null_means="for a new run"),
+    "kernels": Choice(KERNEL_MODES),
+    "progress": Bool(),
+    "model.hf_path": Str(optional=True, null_means="for a fresh model", fixed=True),
+    "model.tokenizer": Str(optional=True, null_means="for the checkpoint's own (hf_path) or the character one", fixed=True),
+    "model.hidden_size": Int(1, fixed=True),
+    "model.intermediate_size": Int(1, fixed=True),
+    "model.num_layers": Int(1, fixed=True),
+    "model.num_heads": Int(1, fixed=True),
+    "model.num_kv_heads": Int(1, fixed=True),
+    "model.qk_norm": Bool(fixed=True),
+    "model.max_position_embeddings": Int(1, fixed=True),
+    "task.name": Choice(_registry("nemo_rz.tasks", "TASKS"), fixed=True),
+    "task.options": Key("mapping", fixed=True),
+    "task.chat_template": Choice(("auto", True, False), fixed=True),
+    "task.system_prompt": Str(optional=True, null_means="for none", fixed=True),
+    "warmup.steps": Int(0, fixed=True),
+    "warmup.batch_size": Int(1, fixed=True),
+    "warmup.lr": Positive(fixed=True),
+    "algo.updates": Int(1),
+    "algo.max_lag": Int(0, 64, fixed=True, why="batch u is generated by weights u - max_lag"),
+    "algo.prompts_per_update": Int(1, fixed=True),
+    "algo.group_size": Int(2, fixed=True, why="with one sample per group every advantage r - mean(r) is 0"),
+    "algo.lr": Positive(),
+    "algo.grad_clip": Positive(optional=True, null_means="for no clipping"),
+    "algo.temperature": Positive(fixed=True),
+    "algo.max_new_tokens": Int(1),
+    "algo.loss": Choice(("reinforce_zero", "ppo_clip")),  # nemo_rz.runtime.learner.LOSSES
+    "algo.correction": Choice(("none", "unclipped", "tis", "token_mask", "seq_gate", "seq_gate_kl", "cis")),  # nemo_rz.algorithms.CORRECTIONS
+    "algo.correction_params": Key("mapping"),
+    "runtime.backend": Choice(("local", "ray")),
+    "runtime.rollout_workers": Int(1),
+    "runtime.worker_threads": Int(1),
+    "runtime.learner_threads": Int(1),
+    "runtime.rollout_kernels": Choice(KERNEL_MODES, optional=True, null_means="for the same as kernels"),
+    "runtime.rollout_dtype": Choice(("float32", "bfloat16")),  # nemo_rz.models.config.DTYPES
+    "runtime.crash_worker_at_batch": Int(-1, why="-1 = never"),
+    "generation.backend": Choice(("builtin", "vllm")),
+    "eval.every": Int(0, why="0 = only at the end"),
+    "eval.n": Int(1),
+    "metrics.decomposition_every": Int(0, why="0 = never"),
+    "metrics.tensorboard": Bool(),
+    "checkpoint.every": Int(0, why="0 = only at the end"),
+    "checkpoint.keep": Int(1),
+}
+
+
+def _lookup(plain: dict, key: str):
+    node = plain
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _assign(plain: dict, key: str, value) -> None:
+    *parents, last = key.split(".")
+    node = plain
+    for part in parents:
+        node = node[part]
+    node[last] = value
+
+
+def resolved(cfg: DictConfig) -> dict:
+    """The config as plain data with interpolations replaced; a bad one raises ConfigError naming its key."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"config key {key}: cannot resolve its value ({reason})") from None
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """Check every declared key (plain checks first, then registry-backed choices); return the config resolved."""
+    plain = resolved(cfg)
+    order = sorted(SCHEMA.items(), key=lambda kv: callable(kv[1].choices))
+    for key, spec in order:
+        try:
+            value = _lookup(plain, key)
+        except (KeyError, TypeError):
+            raise ConfigError(f"config key {key} is missing; add it (see conf/default.yaml)") from None
+        checked = spec.check(value)
+        if checked is None:
+            shown = "null" if value is None else repr(value)
+            raise ConfigError(f"{key} = {shown}: expected {spec.expected()}")
+        _assign(plain, key, None if checked is _NULL else checked)
+    return OmegaConf.create(plain)
+
+
+def fixed_on_resume(key: str) -> bool:
+    spec = SCHEMA.get(key)
+    return spec is not None and spec.fixed
