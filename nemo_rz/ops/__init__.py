@@ -8,6 +8,7 @@ manager, or the environment variable NEMO_RZ_KERNELS; `consistent` is the defaul
 from nemo_rz.ops.activation import silu_and_mul
 from nemo_rz.ops.aten import batch_invariant
 from nemo_rz.ops.attention import ATTN_TILE_ROWS, KV_BLOCK, AttentionPlan, attention
+from nemo_rz.ops.gemm import forget_weight_copies
 from nemo_rz.ops.linear import embedding, linear
 from nemo_rz.ops.logprobs import log_softmax, probabilities, token_logprobs
 from nemo_rz.ops.mode import MODES, get_mode, mode, set_mode
@@ -16,6 +17,6 @@ from nemo_rz.ops.rope import rope, rope_cos_sin
 from nemo_rz.ops.tiles import TILE_ROWS
 
 __all__ = [
-    "ATTN_TILE_ROWS", "AttentionPlan", "MODES", "KV_BLOCK", "TILE_ROWS", "attention", "batch_invariant", "embedding", "get_mode", "linear",
+    "ATTN_TILE_ROWS", "AttentionPlan", "MODES", "KV_BLOCK", "TILE_ROWS", "attention", "batch_invariant", "embedding", "forget_weight_copies", "get_mode", "linear",
     "log_softmax", "mode", "probabilities", "rms_norm", "rope", "rope_cos_sin", "set_mode", "silu_and_mul", "token_logprobs",
 ]

@@ -12,6 +12,7 @@ import warnings
 
 import torch
 
+from nemo_rz.ops.logprobs import log_softmax_tiled
 from nemo_rz.ops.tiles import TILE_ROWS
 
 _OVERRIDDEN = ("mm", "addmm", "bmm", "_log_softmax", "mean.dim")
@@ -45,6 +46,8 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
     out = _mm(a, b)
     if alpha != 1:
         out = out * alpha
+    if beta == 0:  # as torch: the bias is ignored, NaN or inf included
+        return out
     return out + (bias if beta == 1 else bias * beta)
 
 
@@ -59,10 +62,8 @@ def _row_sum_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def _log_softmax(x, dim, half_to_float):
-    xt = x.float() if half_to_float else x
-    xt = xt.movedim(dim, -1)
-    shifted = xt - xt.amax(dim=-1, keepdim=True)
-    out = shifted - torch.log(_row_sum_last(torch.exp(shifted))).unsqueeze(-1)
+    xt = (x.float() if half_to_float else x).movedim(dim, -1)
+    out = log_softmax_tiled(xt.reshape(-1, xt.shape[-1])).view(xt.shape)  # blocked two-level sum: accurate
     return out.movedim(-1, dim).contiguous()
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from nemo_rz.ops.dispatch import on_gpu_kernels
 from nemo_rz.ops.mode import consistent
 from nemo_rz.ops.tiles import TILE_ROWS
-from nemo_rz.ops.verified import BMM_ROWS, bmm_verified
+from nemo_rz.ops.verified import BMM_ROWS, bmm_verified, one_thread
 
 KV_BLOCK = 32
 _EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38: the smallest inputs whose exp is still a normal float32
@@ -348,7 +348,8 @@ def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: _Tiled):
         past = paged[3]
         k, v = k.masked_fill(past, 0.0), v.masked_fill(past, 0.0)
     # Keys as contiguous [D, KV_BLOCK] blocks: BLAS takes row-invariant paths only for that layout (verified.py).
-    s = torch.bmm(qp, k.transpose(1, 2).contiguous()) + t.bias
+    with one_thread():  # tile heights vary only where one-thread products were probed (tile_rows)
+        s = torch.bmm(qp, k.transpose(1, 2).contiguous()) + t.bias
     with torch.no_grad():  # the shift cancels in the softmax; no gradient flows through it
         s_max = s.amax(-1)
         m = s_max.new_full((t.n_tiles, R), float("-inf"))
@@ -358,7 +359,8 @@ def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: _Tiled):
     # A weight below e^-87 ~ 1.6e-38 becomes 1.6e-38: a fixed function of the row, like everything here.
     p = torch.exp((s - m.index_select(0, t.pair_tile).unsqueeze(-1)).clamp(min=_EXP_FLOOR)) * t.visible
     # P @ [V | 1 ...]: the appended columns of ones give the row sums of P in the same product.
-    pv = torch.bmm(p, F.pad(v, (0, _ones_columns(dim)), value=1.0))  # [P, R, D + w]
+    with one_thread():
+        pv = torch.bmm(p, F.pad(v, (0, _ones_columns(dim)), value=1.0))  # [P, R, D + w]
     # Sum over a tile's blocks in increasing block order (index_add_ adds the pairs one after another).
     acc = pv.new_zeros(t.n_tiles, R, pv.shape[-1]).index_add_(0, t.pair_tile[:real], pv[:real] if real < n_pairs else pv)
     out_t = acc[..., :dim] / acc[..., dim : dim + 1]

@@ -8,7 +8,9 @@ property of the BLAS build, the CPU and the thread count, not a promise, so nemo
 after a probe on this machine has compared, bit for bit, every row of calls over a spread of row counts against
 one reference call of a chunk of rows. The probe yields a `Route`: calls are then never larger than its chunk
 nor smaller than its min_rows (zero-padded), so every row count that can occur lies in the probed range. A
-shape that fails its probe, or a thread count other than one, keeps the fixed tiles.
+shape that fails its probe keeps the fixed tiles. Probes and routed calls run on one thread whatever the
+process's thread count (a BLAS splits a product across threads by its shape), so a route never depends on how
+many threads a process uses: a 2-thread learner and a 1-thread rollout worker compute the same bits.
 
 What the probes found here: MKL's GEMM is row-invariant only with the weight as a contiguous [K, N] matrix (with
 the transposed view of a [N, K] Linear weight, calls of up to 15 rows take other paths); one row (a
@@ -19,6 +21,7 @@ shape (between 128 and 200 rows for K=4864, N=896), hence several chunk sizes.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -48,6 +51,20 @@ class Route:
     min_rows: int
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Run the block with one torch thread (cheap: ~0.1 us to switch), restoring the count afterwards."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _aligned(x: torch.Tensor) -> torch.Tensor:
     if not x.is_contiguous():
         return x.contiguous()
@@ -58,16 +75,17 @@ def by_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, route: 
     """fn (a row-wise map) over x [M, K] in calls of route.min_rows..route.chunk rows: fewer rows are
     zero-padded, more are cut into chunks. Differentiable."""
     m, low_rows = x.shape[0], route.min_rows
-    if m < low_rows:
-        return fn(F.pad(x, (0, 0, 0, low_rows - m)))[:m]
-    if m <= route.chunk:
-        return fn(_aligned(x))
-    parts = []
-    for start in range(0, m, route.chunk):
-        stop = min(start + route.chunk, m)
-        low = min(start, stop - low_rows)  # a short last chunk is computed inside a min_rows call ending with it
-        parts.append(fn(_aligned(x[low:stop]))[start - low :])
-    return torch.cat(parts)
+    with one_thread():
+        if m < low_rows:
+            return fn(F.pad(x, (0, 0, 0, low_rows - m)))[:m]
+        if m <= route.chunk:
+            return fn(_aligned(x))
+        parts = []
+        for start in range(0, m, route.chunk):
+            stop = min(start + route.chunk, m)
+            low = min(start, stop - low_rows)  # a short last chunk is computed inside a min_rows call ending with it
+            parts.append(fn(_aligned(x[low:stop]))[start - low :])
+        return torch.cat(parts)
 
 
 def failing_rows(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> list[int]:
@@ -85,13 +103,13 @@ def failing_rows(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor)
 
 def verified(kind: str, key: tuple, probe: Callable[[], object]):
     """probe()'s result for (kind, key), computed once per process; None where library routes are off."""
-    if not _ENABLED or torch.get_num_threads() != 1:
+    if not _ENABLED:
         return None
     full_key = (kind, *key)
     if full_key not in _RESULTS:
         with _LOCK:
             if full_key not in _RESULTS:
-                with torch.no_grad():
+                with torch.no_grad(), one_thread():
                     _RESULTS[full_key] = probe()
     return _RESULTS[full_key]
 

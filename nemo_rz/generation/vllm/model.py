@@ -148,4 +148,5 @@ class NemoRZForCausalLM(nn.Module):
                 raise ValueError(f"nemo_rz vLLM backend: {name} has shape {list(tensor.shape)}, the model expects {list(param.shape)}")
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(key)
+        ops.forget_weight_copies(self)  # the loaders write through .data, which no version counter sees
         return loaded
