@@ -1,6 +1,6 @@
 """Bring your own Hugging Face model: load a Qwen2/Qwen3/Llama checkpoint, roll out, check zero mismatch.
 
-    python examples/bring_your_own_hf_model.py [HF_DIR]
+    python examples/bring_your_own_hf_model.py [HF_DIR or MODEL.gguf]
 
 Without HF_DIR a tiny random Qwen3 is made with transformers and saved first (weights never come from a hub
 here). Then: same logits as transformers (to float tolerance), and the engine's recorded logprobs equal the
@@ -8,10 +8,12 @@ learner's bit for bit.
 """
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
 from nemo_rz.models.hf import load_hf
+from nemo_rz.tasks.hf_tokenizer import TOKENIZER_FILES
 from nemo_rz.tools.check_mismatch import check
 
 
@@ -32,4 +34,6 @@ if __name__ == "__main__":
     print(f"loaded {path}: {model.config.num_layers} layers, hidden {model.config.hidden_size}, vocab {model.config.vocab_size}")
     for row in check(model, [1, 8], max_new_tokens=16):
         print(f"batch {row['batch_size']:>2}: {row['diff_tokens']} of {row['tokens']} tokens differ between rollout and learner")
-    print(f"train on it: python -m nemo_rz.train model.hf_path={path}")
+    # Training uses the checkpoint's own tokenizer; the tiny random model has none, so it takes the character one.
+    own = Path(path).is_file() or any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+    print(f"train on it: python -m nemo_rz.train model.hf_path={path}" + ("" if own else " model.tokenizer=char"))

@@ -9,7 +9,8 @@ from nemo_rz.models import Decoder, DecoderConfig
 
 
 def load_model(path: str | None, seed: int = 0) -> Decoder:
-    """A Hugging Face checkpoint directory, or (path None) a tiny random model with peaky distributions."""
+    """A Hugging Face checkpoint directory or .gguf file (nemo_rz.models.hf.load_hf), or (path None) a tiny random
+    model with peaky distributions. The benchmarks and tools load real models through this."""
     if path:
         from nemo_rz.models.hf import load_hf
 
