@@ -43,7 +43,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     route = matmul_route(k, n, x.dtype, x.device)
     if route is not None:
         w_t = weight_t(weight, x.dtype)
-        return by_rows(lambda rows: torch.mm(rows, w_t), x, route)
+        return by_rows(lambda rows, out: torch.mm(rows, w_t, out=out), x, route, width=n)
     return from_tiles(tiled_matmul(to_tiles(x), weight.to(x.dtype).t()), x.shape[0])
 
 

@@ -42,11 +42,11 @@ def log_softmax(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:
     return _LogSoftmax.apply(x, route)
 
 
-def _log_softmax_blocked(x: torch.Tensor) -> torch.Tensor:
-    """The two-level log-softmax of [M, V] with library row-wise ops (used where probed row-invariant).
-    Called without autograd (the backward is _LogSoftmax's), so it works in place where it can."""
+def _log_softmax_blocked(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The two-level log-softmax of [M, V] with library row-wise ops (used where probed row-invariant), into
+    `out` if given. Called without autograd (the backward is _LogSoftmax's)."""
     with torch.no_grad():
-        shifted = x - x.amax(dim=-1, keepdim=True)  # max is exact in any order
+        shifted = torch.sub(x, x.amax(dim=-1, keepdim=True), out=out)  # max is exact in any order
         e = torch.exp(shifted)
         if x.shape[-1] % SUM_BLOCK:
             e = F.pad(e, (0, (-x.shape[-1]) % SUM_BLOCK))
@@ -59,7 +59,7 @@ class _LogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, route):
-        out = by_rows(_log_softmax_blocked, x, route)
+        out = by_rows(_log_softmax_blocked, x, route, width=x.shape[-1])
         ctx.save_for_backward(out)
         return out
 

@@ -71,21 +71,32 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % _ALIGN == 0 else x.clone()
 
 
-def by_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, route: Route) -> torch.Tensor:
+def by_rows(fn: Callable, x: torch.Tensor, route: Route, width: int | None = None) -> torch.Tensor:
     """fn (a row-wise map) over x [M, K] in calls of route.min_rows..route.chunk rows: fewer rows are
-    zero-padded, more are cut into chunks. Differentiable."""
+    zero-padded, more are cut into chunks. With `width`, fn(rows, out) writes its [rows, width] result into
+    `out` (no copy; no autograd); without it, fn(rows) returns it (differentiable)."""
     m, low_rows = x.shape[0], route.min_rows
     with one_thread():
         if m < low_rows:
-            return fn(F.pad(x, (0, 0, 0, low_rows - m)))[:m]
-        if m <= route.chunk:
-            return fn(_aligned(x))
+            x = F.pad(x, (0, 0, 0, low_rows - m))
+        if x.shape[0] <= route.chunk:
+            x = _aligned(x)
+            out = fn(x) if width is None else fn(x, x.new_empty(x.shape[0], width))
+            return out if out.shape[0] == m else out[:m]
+        if width is not None:
+            out = x.new_empty(m, width)
         parts = []
         for start in range(0, m, route.chunk):
             stop = min(start + route.chunk, m)
             low = min(start, stop - low_rows)  # a short last chunk is computed inside a min_rows call ending with it
-            parts.append(fn(_aligned(x[low:stop]))[start - low :])
-        return torch.cat(parts)
+            rows = _aligned(x[low:stop])
+            if width is None:
+                parts.append(fn(rows)[start - low :])
+            elif low == start:
+                fn(rows, out[start:stop])
+            else:
+                out[start:stop] = fn(rows, rows.new_empty(stop - low, width))[start - low :]
+        return torch.cat(parts) if width is None else out
 
 
 def failing_rows(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> list[int]:
@@ -114,9 +125,10 @@ def verified(kind: str, key: tuple, probe: Callable[[], object]):
     return _RESULTS[full_key]
 
 
-def _route(fn: Callable[[torch.Tensor], torch.Tensor], features: int, dtype, device) -> Route | None:
+def _route(fn: Callable[[torch.Tensor], torch.Tensor], features: int, dtype, device,
+           chunks: tuple[int, ...] = CHUNK_ROWS) -> Route | None:
     """The largest chunk whose probe fails only below MAX_MIN_ROWS rows, with the smallest safe min_rows."""
-    for chunk in CHUNK_ROWS:
+    for chunk in chunks:
         g = torch.Generator().manual_seed(features)
         rows = (torch.randn(chunk, features, generator=g) * 4.0).to(dtype=dtype, device=device)
         bad = failing_rows(fn, rows)
@@ -142,8 +154,11 @@ def rowwise_route(name: str, fn: Callable[[torch.Tensor], torch.Tensor], feature
 
     Row-wise reductions and element-wise maths can still depend on M: a reduction split across threads, or a
     vectorised loop whose scalar tail rounds differently (exp, log) when M * features is not a whole number of
-    SIMD steps."""
-    return verified(name, (features, dtype, str(device)), lambda: _route(fn, features, dtype, device))
+    SIMD steps. Chunks hold up to 4M elements (16 MB in float32, up to 4096 rows): a training batch of hidden
+    states is rarely cut, and a chunk of logits stays below glibc's mmap threshold, so its temporaries reuse
+    heap memory instead of faulting in fresh pages on every call (expensive on these VMs)."""
+    chunks = tuple(c for c in (4096, 2048, 1024, 512, 256, 128, 64, 32) if c * features <= 1 << 22) or (32,)
+    return verified(name, (features, dtype, str(device)), lambda: _route(fn, features, dtype, device, chunks))
 
 
 def bmm_verified(k: int, n: int, dtype: torch.dtype, device) -> bool:
