@@ -6,7 +6,6 @@ configuration's own kind. Numerical divergence during training is not bad input:
 from __future__ import annotations
 
 import argparse
-import sys
 
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
@@ -22,8 +21,7 @@ class DivergenceError(RuntimeError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse reporting a bad argument as one line and exit code 2 (instead of the usage text, then the error)."""
+    """argparse raising ConfigError for a bad argument (instead of printing the usage text, then the error)."""
 
     def error(self, message):
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT)
+        raise ConfigError(f"{message} (see {self.prog} --help)")

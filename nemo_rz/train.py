@@ -103,7 +103,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 def _os_error(e: OSError, run_dir: Path | None) -> str:
     where = f"{e.filename}: " if e.filename else ""
     if e.errno == errno.ENOSPC:
-        return f"{where}no space left on the device; free some space, then " + (f"resume with resume={run_dir}" if run_dir else "run again")
+        return f"{where}{e.strerror}; free some space, then " + (f"resume with resume={run_dir}" if run_dir else "run again")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"{where}{e.strerror}; choose a writable run_dir (or fix its permissions)"
     return f"{where}{e.strerror or e}"

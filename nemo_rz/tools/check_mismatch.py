@@ -44,7 +44,10 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="check_mismatch.json", help="where to write the JSON report")
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+    except ValueError as e:
+        fail(str(e))
     if any(b < 1 for b in args.batch_sizes):
         fail(f"--batch-sizes {args.batch_sizes}: every batch size must be >= 1")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):

@@ -1,0 +1,88 @@
+"""The config schema: it covers conf/default.yaml exactly, the defaults pass it, its fixed value sets match the
+code's own, values are normalised, and the resume policy (refuse or honour every change) holds."""
+import pytest
+from omegaconf import OmegaConf
+
+from nemo_rz import config, schema
+from nemo_rz.errors import ConfigError
+
+
+def _leaves(cfg, prefix=""):
+    out = []
+    for k, v in cfg.items_ex(resolve=False):
+        path = f"{prefix}{k}"
+        if OmegaConf.is_dict(v) and path not in config.OPEN_KEYS:
+            out += _leaves(v, path + ".")
+        else:
+            out.append(path)
+    return out
+
+
+def test_schema_declares_every_default_key_and_nothing_else():
+    default = OmegaConf.load(config.DEFAULT)
+    assert sorted(_leaves(default)) == sorted(schema.SCHEMA)
+
+
+def test_defaults_pass_and_values_are_normalised():
+    cfg = config.load(None, ["algo.lr=1", "algo.grad_clip=null", "run_dir=2024"])
+    assert cfg.algo.lr == 1.0 and isinstance(cfg.algo.lr, float)
+    assert cfg.algo.grad_clip is None and cfg.run_dir == "2024"
+    cfg = config.load(None, ["algo.max_lag=${algo.prompts_per_update}"])  # interpolations come out resolved
+    assert cfg.algo.max_lag == cfg.algo.prompts_per_update and "${" not in OmegaConf.to_yaml(cfg)
+
+
+def test_written_out_value_sets_match_the_code():
+    from nemo_rz import ops
+    from nemo_rz.algorithms import CORRECTIONS
+    from nemo_rz.models.config import DTYPES
+    from nemo_rz.runtime.learner import LOSSES
+
+    choices = lambda key: tuple(schema.SCHEMA[key]._choices())
+    assert choices("kernels") == choices("runtime.rollout_kernels") == tuple(ops.MODES)
+    assert choices("algo.loss") == LOSSES
+    assert choices("algo.correction") == tuple(CORRECTIONS)
+    assert choices("runtime.rollout_dtype") == tuple(DTYPES)
+
+
+@pytest.mark.parametrize("key, good, bad", [
+    ("algo.max_lag", [0, 64], [-1, 65, 2.5, "abc", True]),
+    ("algo.group_size", [2], [1, 0]),
+    ("algo.lr", [1e-9, 3, 1e6], [0, -1e-3, float("nan"), float("inf"), "abc"]),
+    ("algo.grad_clip", [0.5, None], [0, -1]),
+    ("task.chat_template", ["auto", True, False], ["yes please", 1]),
+    ("runtime.rollout_kernels", [None, "fast"], ["slow"]),
+])
+def test_ranges(key, good, bad):
+    spec = schema.SCHEMA[key]
+    assert all(spec.check(v) is not None for v in good)
+    assert all(spec.check(v) is None for v in bad)
+
+
+def _saved_run(tmp_path, *overrides):
+    """A run directory as nemo_rz.train leaves it (config only: these checks come before any checkpoint)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = config.load(None, [f"run_dir={run}", *overrides])
+    (run / config.RUN_CONFIG).write_text(OmegaConf.to_yaml(cfg))
+    return run
+
+
+@pytest.mark.parametrize("change", ["model.hidden_size=128", "task.name=add3", "seed=1", "algo.max_lag=3",
+                                    "algo.group_size=4", "algo.temperature=0.5", "warmup.steps=1"])
+def test_resume_refuses_what_the_checkpoint_fixes(tmp_path, change):
+    run = _saved_run(tmp_path)
+    with pytest.raises(ConfigError, match=f"{change.split('=')[0]} was .* now "):
+        config.load(None, [f"resume={run}", change])
+
+
+def test_resume_honours_and_reports_the_rest_including_a_config_file(tmp_path):
+    run = _saved_run(tmp_path, "algo.updates=4")
+    layer = tmp_path / "more.yaml"
+    layer.write_text("algo:\n  updates: 8\n  lr: 0.0001\n")
+    notes = []
+    cfg = config.load(str(layer), [f"resume={run}", "eval.every=2"], log=notes.append)
+    assert (cfg.algo.updates, cfg.algo.lr, cfg.eval.every, cfg.resume, cfg.run_dir) == (8, 1e-4, 2, str(run), str(run))
+    assert notes == ["resume: algo.updates 4 -> 8", "resume: algo.lr 0.0003 -> 0.0001", "resume: eval.every 200 -> 2"]
+    layer.write_text("model:\n  num_layers: 3\n")  # a --config file is not ignored on resume: refused here
+    with pytest.raises(ConfigError, match="model.num_layers was 2, now 3"):
+        config.load(str(layer), [f"resume={run}"])
