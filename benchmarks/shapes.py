@@ -75,7 +75,7 @@ def load(args, seed: int = 0, with_transformers: bool = False):
 
             gguf = {"gguf_file": os.path.basename(path)} if path.endswith(".gguf") else {}
             src = os.path.dirname(path) if gguf else path
-            hf = transformers.AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32, **gguf).eval()
+            hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **gguf).eval()
     c = ours.config
     name = args.model or f"preset {args.preset}"
     desc = (f"{name}: vocab {c.vocab_size}, hidden {c.hidden_size}, intermediate {c.intermediate_size}, layers "

