@@ -2,6 +2,7 @@
 and nothing already written is changed. Ctrl-C is one line and exit code 130."""
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,6 +109,18 @@ def test_bad_input_is_one_line_and_exit_code_2(run, capsys, args, message):
     assert "resume:" not in out  # nothing was honoured
     assert (run / "run" / "config.yaml").read_bytes() == before  # a refused resume changes nothing
     assert not (run / "fresh" / "config.yaml").exists()
+
+
+def test_a_resume_that_fails_after_the_config_checks_leaves_config_yaml_alone(run, capsys):
+    damaged = run / "damaged"
+    shutil.copytree(run / "run", damaged)
+    for ckpt in (damaged / "checkpoints").glob("step_*"):
+        (ckpt / "model.safetensors").write_bytes(b"not a checkpoint")
+    before = (damaged / "config.yaml").read_bytes()
+    assert train.main([f"resume={damaged}", "algo.updates=5"]) == 2
+    out, err = capsys.readouterr()
+    assert "resume: algo.updates 2 -> 5" in out and err.count("\n") == 1 and "none of its" in err
+    assert (damaged / "config.yaml").read_bytes() == before  # written only once the checkpoint is restored
 
 
 @pytest.mark.parametrize("code, where", [(errno.ENOSPC, "checkpoint"), (errno.EROFS, "mkdir"), (errno.EACCES, "config")])

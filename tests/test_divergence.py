@@ -2,6 +2,7 @@
 checkpoint."""
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from nemo_rz import config, train
@@ -55,6 +56,12 @@ def test_the_last_good_checkpoint_survives_divergence(tmp_path):
     weights = load_file(checkpoint.latest(ckpts) / "model.safetensors")
     assert max(float(w.abs().max()) for w in weights.values()) < 100
     assert len((tmp_path / "d" / "metrics.jsonl").read_text().splitlines()) == 2
+    # The advice works: resume with a lower algo.lr, which replaces the one saved in the optimizer state.
+    (tmp_path / "d" / "config.yaml").write_text(OmegaConf.to_yaml(trainer.cfg))
+    cfg = config.load(None, [f"resume={tmp_path / 'd'}", "algo.lr=1e-4"])
+    resumed = Trainer(cfg, tmp_path / "d", resume=tmp_path / "d", log=lambda *_: None)
+    assert resumed.version == 2 and resumed.learner.opt.param_groups[0]["lr"] == 1e-4
+    assert resumed.run()["updates"] == 6
 
 
 def test_negative_control_without_the_check_the_good_checkpoint_is_rotated_out(tmp_path, monkeypatch):
