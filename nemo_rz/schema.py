@@ -99,10 +99,6 @@ def Int(lo=None, hi=None, **kw) -> Key:
     return Key("int", lo, hi, **kw)
 
 
-def Float(lo=None, hi=None, **kw) -> Key:
-    return Key("float", lo, hi, **kw)
-
-
 def Positive(**kw) -> Key:
     return Key("float", 0, lo_open=True, **kw)
 

@@ -18,8 +18,14 @@ MAX_WEIGHT_GROWTH = 2.0
 
 
 def weight_norm(model: torch.nn.Module) -> float:
-    """L2 norm of all parameters, accumulated in float64 so that huge float32 weights do not overflow it."""
-    return math.sqrt(sum(float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2 for p in model.parameters()))
+    """L2 norm of all parameters; a tensor whose float32 norm overflows (huge weights) is redone in float64."""
+    total = 0.0
+    for p in model.parameters():
+        n = torch.linalg.vector_norm(p.detach())
+        if not torch.isfinite(n):
+            n = torch.linalg.vector_norm(p.detach(), dtype=torch.float64)
+        total += float(n) ** 2
+    return math.sqrt(total)
 
 
 class Learner:
