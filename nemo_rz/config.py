@@ -99,13 +99,13 @@ def load(config_file: str | None = None, overrides=(), log=None) -> DictConfig:
         layers.append(layer)
     layers.append(_overrides(overrides, default))
     cfg = _merge(default, *layers)
-    resume = schema.resolved(cfg).get("resume")
-    if not resume:
+    given = schema.resolved(cfg)
+    if not given.get("resume"):
         return schema.validate(cfg)
-    return _resumed(str(resume), default, layers, log)
+    return _resumed(str(given["resume"]), given.get("run_dir"), default, layers, log)
 
 
-def _resumed(resume: str, default: DictConfig, layers: list, log) -> DictConfig:
+def _resumed(resume: str, given_run_dir, default: DictConfig, layers: list, log) -> DictConfig:
     run_dir = Path(resume)
     saved_path = run_dir / RUN_CONFIG
     if not saved_path.is_file():
@@ -116,10 +116,8 @@ def _resumed(resume: str, default: DictConfig, layers: list, log) -> DictConfig:
         before = schema.validate(_merge(default, saved))
     except ConfigError as e:
         raise ConfigError(f"resume: {saved_path}: {e}") from None
-    for layer in layers:
-        given = OmegaConf.select(layer, "run_dir")
-        if given is not None and Path(str(given)) != run_dir:
-            raise ConfigError(f"resume={resume} continues that run in place: drop run_dir={given}")
+    if given_run_dir is not None and Path(str(given_run_dir)) != run_dir:
+        raise ConfigError(f"resume={resume} continues that run in place: drop run_dir={given_run_dir}")
     cfg = _merge(before, *layers)
     cfg.resume = cfg.run_dir = str(run_dir)
     cfg = schema.validate(cfg)

@@ -56,35 +56,30 @@ class Key:
     def _choices(self) -> tuple:
         return self.choices() if callable(self.choices) else self.choices
 
-    def check(self, value: Any) -> Any:
-        """The value, normalised (an int given for a float becomes a float); None when it is not valid."""
+    def accepts(self, value: Any) -> bool:
         if value is None:
-            return None if not self.optional else _NULL
+            return self.optional
         if self.kind == "bool":
-            return value if isinstance(value, bool) else None
-        if self.kind == "str":  # run_dir=2024 arrives as an int
-            return value if isinstance(value, str) else str(value) if type(value) is int else None
+            return isinstance(value, bool)
+        if self.kind == "str":
+            return isinstance(value, str) or type(value) is int  # run_dir=2024 arrives as an int
         if self.kind == "mapping":
-            return value if isinstance(value, dict) else None
+            return isinstance(value, dict)
         if self.kind == "choice":
-            return value if any(value == c and type(value) is type(c) for c in self._choices()) else None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return None
-        if self.kind == "int":
-            if not isinstance(value, int):
-                return None
-        else:
-            value = float(value)
-            if not math.isfinite(value):
-                return None
+            return any(value == c and type(value) is type(c) for c in self._choices())
+        if isinstance(value, bool) or not isinstance(value, int if self.kind == "int" else (int, float)):
+            return False
+        if not math.isfinite(value):
+            return False
         if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
-            return None
-        if self.hi is not None and value > self.hi:
-            return None
-        return value
+            return False
+        return self.hi is None or value <= self.hi
 
-
-_NULL = object()  # check() result for a valid null (None itself means "not valid")
+    def normalised(self, value: Any) -> Any:
+        """An accepted value in its key's own type (an int given for a float becomes a float)."""
+        if value is None:
+            return None
+        return float(value) if self.kind == "float" else str(value) if self.kind == "str" else value
 
 
 def _show(choice) -> str:
@@ -162,7 +157,7 @@ SCHEMA: dict[str, Key] = {
     "eval.n": Int(1),
     "metrics.decomposition_every": Int(0, why="0 = never"),
     "metrics.tensorboard": Bool(),
-    "checkpoint.every": Int(0, why="0 = only at the end"),
+    "checkpoint.every": Int(0, why="0 = never"),
     "checkpoint.keep": Int(1),
 }
 
@@ -201,11 +196,10 @@ def validate(cfg: DictConfig) -> DictConfig:
             value = _lookup(plain, key)
         except (KeyError, TypeError):
             raise ConfigError(f"config key {key} is missing; add it (see conf/default.yaml)") from None
-        checked = spec.check(value)
-        if checked is None:
+        if not spec.accepts(value):
             shown = "null" if value is None else repr(value)
             raise ConfigError(f"{key} = {shown}: expected {spec.expected()}")
-        _assign(plain, key, None if checked is _NULL else checked)
+        _assign(plain, key, spec.normalised(value))
     return OmegaConf.create(plain)
 
 
