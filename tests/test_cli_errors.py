@@ -111,6 +111,17 @@ def test_bad_input_is_one_line_and_exit_code_2(run, capsys, args, message):
     assert not (run / "fresh" / "config.yaml").exists()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["algo.correction=tis", "algo.correction_params.C=-1"], "algo.correction_params: bad parameter for correction 'tis': C must be > 0"),
+    (["algo.correction_params.D=1"], "algo.correction_params: unknown parameter(s) D"),
+    (["model.num_kv_heads=3"], "num_heads=4 is not a multiple of num_kv_heads=3"),
+])
+def test_checks_that_need_the_model_or_the_correction_still_come_before_the_warm_up(tmp_path, capsys, args, message):
+    assert train.main(TINY + args + [f"run_dir={tmp_path / 'r'}"]) == 2
+    out, err = capsys.readouterr()
+    assert "warm-up:" not in out and err.count("\n") == 1 and message in err, err
+
+
 def test_a_resume_that_fails_after_the_config_checks_leaves_config_yaml_alone(run, capsys):
     damaged = run / "damaged"
     shutil.copytree(run / "run", damaged)

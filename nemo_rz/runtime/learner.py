@@ -33,6 +33,10 @@ class Learner:
                  correction: str, correction_params: dict, ppo_clip_eps: float = 0.2):
         if loss not in LOSSES:
             raise ValueError(f"algo.loss = {loss!r}: use one of {', '.join(LOSSES)}")
+        try:  # here, before any step, rather than at the first RL update
+            algorithms.correction_params(correction, correction_params)
+        except ValueError as e:
+            raise ValueError(f"algo.correction_params: {e}") from None
         self.model = model
         self.opt = torch.optim.Adam(model.parameters(), lr=lr)
         self.grad_clip, self.temperature, self.loss = grad_clip, temperature, loss
