@@ -328,8 +328,25 @@ def _key_blocks(cache: torch.Tensor, t: _Tiled, block_table, paged) -> torch.Ten
         out = blocks[idx] if blocks.requires_grad and torch.is_grad_enabled() else blocks.index_select(0, idx)
     else:
         seqs, kv_heads, key_pos, _ = paged
-        out = _key_rows(cache, seqs, kv_heads, key_pos, block_table)
+        out = _paged_blocks(cache, seqs, kv_heads, key_pos[:, 0], block_table)
+        if out is None:
+            out = _key_rows(cache, seqs, kv_heads, key_pos, block_table)
     return out if out.dtype == torch.float32 else out.float()
+
+
+def _paged_blocks(cache, seqs, kv_heads, block_start, block_table) -> torch.Tensor | None:
+    """[P, KV_BLOCK, D] by whole-block gathers from a paged cache [num_blocks, Hkv, block_size, D] (any strides
+    that keep each KV_BLOCK keys of a head one contiguous run, as vLLM's CPU layout does); None otherwise."""
+    _, _, block_size, dim = cache.shape
+    unit = KV_BLOCK * dim
+    s0, s1, s2, s3 = cache.stride()
+    offset = cache.storage_offset()
+    if block_size % KV_BLOCK or s3 != 1 or s2 != dim or s0 % unit or s1 % unit or offset % unit:
+        return None
+    phys = block_table[seqs, torch.div(block_start, block_size, rounding_mode="floor")].long()
+    start = offset + phys * s0 + kv_heads.long() * s1 + (block_start % block_size) * dim
+    units = cache.untyped_storage().nbytes() // (cache.element_size() * unit)
+    return cache.as_strided((units, KV_BLOCK, dim), (unit, dim, 1), 0).index_select(0, torch.div(start, unit, rounding_mode="floor"))
 
 
 def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: _Tiled):
