@@ -17,7 +17,7 @@ every repetition so that load from other tenants hits both alike); the table rep
 repetitions. The ideal is computed from the SYNC run's R and T (phases measured without overlap, so without
 the two processes competing for the CPU); the ideal from the async run's own R and T is printed beside it.
 
-Run with the glibc settings from ANCHORS.md (set for the children here if absent):
+Run with the glibc malloc settings from the README (set for the children here if absent):
 
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456 \
         python benchmarks/async_vs_sync.py                 # default balanced workload, 3 repetitions

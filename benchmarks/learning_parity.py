@@ -1,4 +1,5 @@
-"""Learning parity at CPU scale: the seed's comparison table (ANCHORS.md, "The method") on the default task.
+"""Learning parity: REINFORCE Zero's published comparison table (sync vs lag 2/8/64 vs standard kernels
+with IS and gates) at CPU scale, on the default task.
 
 Rows, all with the same update budget, seed(s), task (add2), model, batch and warm-up (the defaults of
 conf/default.yaml unless overridden after `--`):

@@ -12,7 +12,7 @@ median of per-repetition ratios. Each run is timed twice: wall-clock, and the pr
 single-threaded by default here, so CPU time is the work done, less sensitive to time lost waiting for a
 core that a neighbour holds).
 
-Run with the glibc settings from ANCHORS.md (page faults are expensive on these VMs):
+Run with the glibc malloc settings from the README (page faults are expensive on these VMs):
 
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456 \
         python benchmarks/rollout_throughput.py

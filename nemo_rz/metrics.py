@@ -1,7 +1,7 @@
-"""Mismatch and training metrics (DESIGN.md contract 5). Pure functions on tensors and lists.
+"""Mismatch and training metrics (listed in docs/contracts.md, 5). Pure functions on tensors and lists.
 
 Convention: rho = exp(lp_learner - lp_rollout) per valid token. The KL estimators are of
-KL(rollout || learner) with samples drawn from the rollout (ANCHORS.md "Other corrections and metrics"):
+KL(rollout || learner) with samples drawn from the rollout (Schulman's k1/k2/k3 estimators):
   k1 = -log rho,  k2 = (log rho)^2 / 2,  k3 = rho - 1 - log rho       (NeMo RL's gen_kl_error is k3)
 Statistics are computed in float64 (k3 of a 1e-7 log-ratio is ~5e-15: float32 cancellation would drown it)
 and returned as Python floats so they go straight into metrics.jsonl.
@@ -96,7 +96,7 @@ def decomposition(lp_rollout: torch.Tensor, lp_learner_now: torch.Tensor,
 def lag_histogram(lags, max_lag: int) -> list[int]:
     """Counts of lag 0, 1, ..., max_lag (length max_lag + 1).
 
-    A lag outside [0, max_lag] raises: the runtime must never train on it (contract 4), so seeing one here
+    A lag outside [0, max_lag] raises: the runtime must never train on it (docs/contracts.md, 4), so seeing one here
     means the queue let it through.
     """
     if not isinstance(max_lag, int) or max_lag < 0:

@@ -138,7 +138,7 @@ def test_cis():
     w, rej = importance_weights(lp_l, lp_r, torch.ones(1, 6), "cis")
     assert torch.allclose(w, t([[2.15, 1.23, 1.0115, 0.5, 1.0, 1.0]]))
     assert not rej.any()
-    # caps quoted in ANCHORS: p=0.5 -> 2.15, p=0.9 -> 1.23, p>=0.995 -> 1.0115 (k huge so the cap binds)
+    # caps the CIS paper quotes: p=0.5 -> 2.15, p=0.9 -> 1.23, p>=0.995 -> 1.0115 (k huge so the cap binds)
     lp_l = t([[L(.5), L(.9), L(.995), L(.9999)]])
     w, _ = importance_weights(lp_l, lp_l - 10, torch.ones(1, 4), "cis")
     assert torch.allclose(w, t([[2.15, 1.23, 1.0115, 1.0115]]))

@@ -1,4 +1,5 @@
-"""Contract 1: the engine's recorded logprobs equal the learner's, bit for bit, in consistent mode.
+"""Zero mismatch (docs/contracts.md, 1): the engine's recorded logprobs equal the learner's, bit for bit, in
+consistent mode.
 
 Every test runs the same scenario in fast mode as its negative control: there the library kernels must
 produce differences, proving the comparison can fail.

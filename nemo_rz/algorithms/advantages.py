@@ -1,6 +1,6 @@
 """Group-relative advantages.
 
-REINFORCE Zero (DESIGN.md contract 3): A_i = r_i - mean(r over i's group), no std division.
+REINFORCE Zero (docs/contracts.md, 3): A_i = r_i - mean(r over i's group), no std division.
 Groups are consecutive runs of `group_size` responses (all samples of one prompt sit together).
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Per-token importance weights that correct rollout-vs-learner mismatch.
 
 rho_t = pi_learner(y_t) / mu_rollout(y_t) = exp(lp_learner_t - lp_rollout_t), per valid token.
-REINFORCE Zero uses `unclipped` (rho as is). The others are the baselines it is compared against
-(ANCHORS.md "Other corrections", "CIS"):
+REINFORCE Zero uses `unclipped` (rho as is). The others are the baselines it is compared against, with the
+defaults their sources use (TIS, IcePop, NeMo RL's sequence gate, FlashREINFORCE, the CIS paper):
 
   none         w = 1
   unclipped    w = rho                                               (REINFORCE Zero)

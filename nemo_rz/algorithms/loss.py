@@ -1,6 +1,6 @@
 """REINFORCE Zero loss and the PPO-clip baseline, both seq-mean-token-mean.
 
-REINFORCE Zero (DESIGN.md contract 3), B responses, T_i valid tokens in response i:
+REINFORCE Zero (docs/contracts.md, 3), B responses, T_i valid tokens in response i:
     L = -(1/B) * sum_i (1/T_i) * sum_t w_t * A_i * lp_learner_t,   w_t = sg(rho_t) (or a baseline correction)
 so dL/d lp_learner_t = -(1/B) (1/T_i) w_t A_i: the weight is a constant, the gradient is plain REINFORCE's
 scaled by it. A response with T_i = 0 contributes 0 (no division by zero); B counts every response.

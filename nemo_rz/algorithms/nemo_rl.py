@@ -1,4 +1,4 @@
-"""REINFORCE Zero as a NeMo RL loss function (DESIGN.md contract 6).
+"""REINFORCE Zero as a NeMo RL loss function (docs/contracts.md, 6).
 
 NeMo RL has no plugin registry: a loss plugs in by meeting its `LossFunction` protocol (v0.6+) -
 attributes `loss_type` and `input_type`, and

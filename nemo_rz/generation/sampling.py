@@ -38,7 +38,7 @@ SEED_STRIDE = 1_000_003  # spreads unseeded requests' seeds apart: engine seed *
 
 
 def checked_requests(prompts, params, vocab_size: int, max_model_len: int, engine_seed: int, requests_seen: int):
-    """Validate a generate() call (one clear error per problem); yield (prompt, params, seed) per request.
+    """Validate a generate() call (one clear error per problem); return a list of (prompt, params, seed), one per request.
 
     Request i of a shared SamplingParams with seed s uses seed s + i; an unseeded request gets a seed from
     the engine's seed and how many requests the engine has seen, so runs repeat.

@@ -1,8 +1,9 @@
 """`batch_invariant()`: make a foreign torch model (transformers, Megatron) batch-invariant.
 
-Inside the context, aten's mm, addmm, bmm, _log_softmax and mean.dim are overridden on CPU through
-torch.library with fixed-row-tile implementations (the same rule as nemo_rz.ops), and on CUDA with the
-Triton kernels where they exist. Autograd is untouched: the overrides sit below it, at the backend key.
+Inside the context, aten's mm, addmm, bmm, _log_softmax and mean.dim are overridden for one dispatch key
+(`device`, CPU by default) through torch.library with fixed-row-tile implementations in torch (the same rule as
+nemo_rz.ops's tiles). There is no Triton path here: with device="CUDA" the same torch code runs on the GPU.
+Autograd is untouched: the overrides sit below it, at the backend key.
 The overrides call `bmm.out`, which is not overridden, so they never recurse.
 """
 from __future__ import annotations

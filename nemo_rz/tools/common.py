@@ -31,6 +31,6 @@ def random_prompts(n: int, vocab: int, min_len: int, max_len: int, seed: int) ->
 
 
 def fail(message: str) -> None:
-    """Contract 7: one clear line on stderr, exit code 2, no traceback."""
+    """Bad input: one clear line on stderr, exit code 2, no traceback (docs/contracts.md, 7)."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)

@@ -376,7 +376,7 @@ class VLLMRolloutEngine:
             if getattr(p, key, None) not in neutral:
                 raise ValueError(
                     f"generate: {key}={getattr(p, key)!r} is not supported by the vLLM backend: it changes the "
-                    "distribution after the logprobs are computed (DESIGN contract 2); sample from the full distribution"
+                    "distribution after the logprobs are computed (docs/contracts.md, 2); sample from the full distribution"
                 )
         if not isinstance(p, SamplingParams):
             raise TypeError(f"generate: params must be nemo_rz.generation.SamplingParams, not {type(p).__name__}")
