@@ -9,7 +9,6 @@ On CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 from .window import check_window, window_start
 
@@ -24,12 +23,7 @@ _LAZY = {
     "KV_BLOCK": "attention",
 }
 
-__all__ = sorted([*_LAZY, "window_start", "check_window", "triton_available"])
-
-
-def triton_available() -> bool:
-    """True if Triton can be imported (does not import it)."""
-    return importlib.util.find_spec("triton") is not None
+__all__ = sorted([*_LAZY, "window_start", "check_window"])
 
 
 def __getattr__(name: str):

@@ -111,14 +111,6 @@ def lag_histogram(lags, max_lag: int) -> list[int]:
     return counts
 
 
-def pass_at_1(correct) -> float:
-    """Fraction of problems answered correctly (one sample each): mean of bools or 0/1 rewards."""
-    correct = [float(c) for c in correct]
-    if not correct:
-        raise ValueError("pass_at_1: no results given; evaluate at least one problem")
-    return sum(correct) / len(correct)
-
-
 class RunningPeakMedian:
     """Tracks a per-update series (is_dev) and reports peak / median: the seed's "D3" figure.
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nemo_rz.metrics import RunningPeakMedian, decomposition, lag_histogram, mismatch_metrics, pass_at_1
+from nemo_rz.metrics import RunningPeakMedian, decomposition, lag_histogram, mismatch_metrics
 
 L = math.log
 
@@ -105,13 +105,6 @@ def test_lag_histogram():
         lag_histogram([0, 3], max_lag=2)
     with pytest.raises(ValueError, match="max_lag"):
         lag_histogram([0], max_lag=-1)
-
-
-def test_pass_at_1():
-    assert pass_at_1([True, False, True, True]) == 0.75
-    assert pass_at_1([1.0, 0.0]) == 0.5
-    with pytest.raises(ValueError, match="no results"):
-        pass_at_1([])
 
 
 def test_running_peak_median():

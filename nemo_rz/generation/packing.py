@@ -14,7 +14,6 @@ class Packed:
     lengths: torch.Tensor  # [B]
     rollout_logprobs: torch.Tensor  # [B, T-1] float32, 0 outside the completion
     mask: torch.Tensor  # [B, T-1] float32, 1 on generated tokens
-    weight_versions: torch.Tensor  # [B]
 
 
 def pack(completions: list[Completion]) -> Packed:
@@ -30,6 +29,4 @@ def pack(completions: list[Completion]) -> Packed:
         span = slice(len(c.prompt_token_ids) - 1, len(s) - 1)
         lp[i, span] = c.logprobs
         mask[i, span] = 1.0
-    lengths = torch.tensor([len(s) for s in seqs])
-    versions = torch.tensor([c.weight_version for c in completions])
-    return Packed(ids, lengths, lp, mask, versions)
+    return Packed(ids, torch.tensor([len(s) for s in seqs]), lp, mask)

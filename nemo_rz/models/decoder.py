@@ -17,6 +17,7 @@ from torch import nn
 
 from nemo_rz import ops
 from nemo_rz.models.config import DecoderConfig
+from nemo_rz.protocols import KVCacheProtocol
 
 
 _KV_HEAD_OFFSETS: dict = {}
@@ -57,9 +58,8 @@ class KVCache:
     """The built-in engine's cache: per-layer keys and values [num_seqs, num_kv_heads, max_len, head_dim]
     (max_len a multiple of KV_BLOCK), row `seq_idx` for a sequence.
 
-    The cache protocol: any object with `write(layer, k, v, tokens)` (store the new tokens' keys/values) and
-    `view(layer) -> (k_cache, v_cache, block_table | None)` (what `ops.attention` reads) can serve as
-    `Tokens.cache`; the vLLM backend passes one over vLLM's paged cache.
+    Any `nemo_rz.protocols.KVCacheProtocol` (write the new tokens' keys/values, view what `ops.attention` reads)
+    can serve as `Tokens.cache`; the vLLM backend passes one over vLLM's paged cache.
     """
 
     k: list[torch.Tensor]
@@ -99,7 +99,7 @@ class Tokens:
     ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
     seq_idx: torch.Tensor  # [N]
-    cache: KVCache | None = None  # any cache-protocol object; None: a dense [B, T] learner batch, its own cache
+    cache: KVCacheProtocol | None = None  # None: a dense [B, T] learner batch, its own cache
     dense: tuple[int, int] | None = None
     # Per-forward values shared by every layer (filled in by Decoder.hidden):
     plan: ops.AttentionPlan | None = None  # attention bookkeeping

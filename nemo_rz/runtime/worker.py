@@ -8,6 +8,7 @@ import torch
 from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.models import Decoder, DecoderConfig
+from nemo_rz.protocols import RolloutEngineProtocol
 from nemo_rz.runtime.jobs import Job, encode_completions
 
 
@@ -22,6 +23,7 @@ class RolloutWorker:
         cfg = DecoderConfig.from_dict({**model_config, "dtype": dtype})
         self.dtype = cfg.torch_dtype
         self.loaded: int | None = None  # the engine starts with random weights, not version 0
+        self.engine: RolloutEngineProtocol | None
         if generation_backend == "builtin":
             self.engine = RolloutEngine(Decoder(cfg).eval(), max_batch_size=max_batch_size, max_model_len=max_model_len)
         elif generation_backend == "vllm":
