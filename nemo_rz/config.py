@@ -50,6 +50,14 @@ def _check_keys(given, default: DictConfig, where: str) -> None:
         raise ConfigError(f"unknown config key {key!r} in {where}{hint}")
 
 
+def preset_path(name: str) -> Path:
+    """--config: a YAML file, or the name of a preset shipped with the package (e.g. smollm2_arith)."""
+    path = Path(name)
+    if not path.exists() and path.parent == Path(".") and (CONF_DIR / f"{path.stem}.yaml").is_file():
+        return CONF_DIR / f"{path.stem}.yaml"
+    return path
+
+
 def read_yaml(path: Path, what: str) -> DictConfig:
     """A YAML mapping from a file; any problem (unreadable, not YAML, not a mapping) is one ConfigError."""
     try:
@@ -94,7 +102,7 @@ def load(config_file: str | None = None, overrides=(), log=None) -> DictConfig:
     default = read_yaml(DEFAULT, "default config")
     layers = []
     if config_file:
-        layer = read_yaml(Path(config_file), "--config")
+        layer = read_yaml(preset_path(config_file), "--config")
         _check_keys(layer, default, config_file)
         layers.append(layer)
     layers.append(_overrides(overrides, default))

@@ -109,7 +109,7 @@ def bisect(model, sequence: list[int], prompt_len: int, batch: list[list[int]], 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m nemo_rz.tools.bisect", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="Hugging Face checkpoint directory (default: a tiny random model)")
+    ap.add_argument("--model", help="Hugging Face checkpoint directory or .gguf file (default: a tiny random model)")
     ap.add_argument("--mode", choices=ops.MODES, default=ops.get_mode())
     ap.add_argument("--force-fast", nargs="*", default=[], metavar="OP", help=f"ops to run in fast mode: {', '.join(TRACED)}")
     ap.add_argument("--prompt-len", type=int, default=8)

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from nemo_rz import ops
+from nemo_rz import atomic, ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.errors import ArgumentParser
 from nemo_rz.generation.packing import pack
@@ -37,7 +37,7 @@ def check(model, batch_sizes, max_new_tokens=32, prompt_len=(4, 24), temperature
 
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m nemo_rz.tools.check_mismatch", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="Hugging Face checkpoint directory (default: a tiny random model)")
+    ap.add_argument("--model", help="Hugging Face checkpoint directory or .gguf file (default: a tiny random model)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--mode", choices=ops.MODES, default=ops.get_mode())
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -69,11 +69,8 @@ def main(argv=None) -> int:
     print(f"{'batch':>6} {'tokens':>8} {'differ':>8} {'max|diff|':>11} {'k3':>11}")
     for r in rows:
         print(f"{r['batch_size']:>6} {r['tokens']:>8} {r['diff_tokens']:>8} {r['max_abs_diff']:>11.3e} {r['k3']:>11.3e}")
-    tmp = args.out + ".tmp"
     try:
-        with open(tmp, "w") as f:
-            json.dump(dict(mode=args.mode, model=args.model, rows=rows), f, indent=2)
-        os.replace(tmp, args.out)
+        atomic.write_text(args.out, json.dumps(dict(mode=args.mode, model=args.model, rows=rows), indent=2))
     except OSError as e:
         fail(f"--out {args.out}: cannot write it ({e.strerror})")
     print(f"wrote {args.out}")
