@@ -8,29 +8,23 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from nemo_rz import atomic
 from nemo_rz import config as config_lib
 from nemo_rz.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED, ArgumentParser, ConfigError, DivergenceError
 from nemo_rz.runtime import runlock
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _prepare(argv) -> tuple:
     """The validated config and its run directory. A new run writes config.yaml now; a resumed run only
     once its checkpoint is restored (run()), so that a refused resume leaves the run directory untouched."""
     ap = ArgumentParser(prog="python -m nemo_rz.train", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", help="YAML file merged over conf/default.yaml (on resume: over the run's config)")
+    ap.add_argument("--config", help="YAML file, or a preset name such as smollm2_arith, merged over conf/default.yaml (on resume: over the run's config)")
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. algo.max_lag=8 runtime.rollout_workers=2")
     args = ap.parse_args(argv)
     cfg = config_lib.load(args.config, args.overrides, log=print)
@@ -47,7 +41,7 @@ def _prepare(argv) -> tuple:
         cfg.run_dir = str(run_dir)
     runlock.lock(run_dir)  # a second trainer on this run directory stops here, before writing anything
     if not cfg.resume:
-        _write_atomic(run_dir / config_lib.RUN_CONFIG, OmegaConf.to_yaml(cfg))
+        atomic.write_text(run_dir / config_lib.RUN_CONFIG, OmegaConf.to_yaml(cfg))
     return cfg, run_dir
 
 
@@ -56,7 +50,7 @@ def run(cfg, run_dir: Path) -> dict:
 
     trainer = Trainer(cfg, run_dir, Path(cfg.resume) if cfg.resume else None)
     if cfg.resume:  # restored: the changes this resume made (already checked) now belong to the run
-        _write_atomic(run_dir / config_lib.RUN_CONFIG, OmegaConf.to_yaml(cfg))
+        atomic.write_text(run_dir / config_lib.RUN_CONFIG, OmegaConf.to_yaml(cfg))
     if cfg.metrics.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -84,7 +78,7 @@ def run(cfg, run_dir: Path) -> dict:
             bar.close()
         if trainer.tb is not None:
             trainer.tb.close()
-    _write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
+    atomic.write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     from nemo_rz.tools.report import write_plots
 
     write_plots(run_dir)

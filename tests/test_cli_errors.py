@@ -145,7 +145,7 @@ def test_os_errors_are_one_line(tmp_path, capsys, monkeypatch, code, where):
     elif where == "mkdir":
         monkeypatch.setattr(Path, "mkdir", fail)
     else:
-        monkeypatch.setattr(train, "_write_atomic", fail)
+        monkeypatch.setattr(train.atomic, "write_text", fail)
     assert train.main(TINY + [f"run_dir={tmp_path / 'r'}", "algo.updates=2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nemo_rz import ops
+from nemo_rz import atomic, ops
 from nemo_rz.models import Decoder, DecoderConfig, ModelFileError, config_from_hf, hf_config, load_hf, save_hf
 from nemo_rz.models import hf as hf_io
 
@@ -287,7 +287,7 @@ def test_interrupted_save_keeps_existing_checkpoint(exchange, tmp_path, monkeypa
     (path / "tokenizer.json").write_text("{}")
     before = _snapshot(path)
     if not exchange:
-        monkeypatch.setattr(hf_io, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
 
     def half_written(tensors, filename, metadata=None):
         with open(filename, "wb") as f:
@@ -307,7 +307,7 @@ def test_interrupted_save_keeps_existing_checkpoint(exchange, tmp_path, monkeypa
 
     monkeypatch.undo()
     if not exchange:
-        monkeypatch.setattr(hf_io, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     (path / "model-00001-of-00002.safetensors").write_bytes(b"stale shard")
     new = _nemo_model(9)
     save_hf(new, path)  # a successful overwrite: new weights, tokenizer kept, stale weight files gone

@@ -12,18 +12,17 @@ interrupted save never leaves a half-written checkpoint and never damages the on
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from nemo_rz import atomic
 from nemo_rz.models.config import DTYPES, DecoderConfig
 from nemo_rz.models.decoder import Decoder
 
@@ -457,55 +456,6 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where the system cannot."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28; absent elsewhere
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
-def _swap_in(tmp: Path, target: Path) -> None:
-    """Put directory `tmp` at `target`; an existing `target` is replaced only once tmp is complete."""
-    if not target.exists():
-        os.rename(tmp, target)
-        return
-    if _exchange(tmp, target):  # target now holds the new checkpoint, tmp the old one
-        shutil.rmtree(tmp, ignore_errors=True)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    os.rmdir(old)
-    os.rename(target, old)  # a crash between these two renames leaves the old checkpoint intact at `old`
-    try:
-        os.rename(tmp, target)
-    except BaseException:
-        os.rename(old, target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def save_hf(model: Decoder, path: str | os.PathLike, architecture: str = "Qwen3ForCausalLM") -> Path:
     """Write `model` as a Hugging Face checkpoint directory (config.json + model.safetensors) at `path`.
 
@@ -519,11 +469,8 @@ def save_hf(model: Decoder, path: str | os.PathLike, architecture: str = "Qwen3F
     config = hf_config(model.config, architecture)
     if target.exists() and not target.is_dir():
         raise ModelFileError(f"{target} exists and is a file; pass a directory path for the checkpoint")
-    target.parent.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the checkpoint gets a normal directory's mode
-    try:
+    with atomic.new_dir(target) as tmp:
         if target.is_dir():
             for entry in target.iterdir():
                 if _superseded(entry.name):
@@ -540,12 +487,6 @@ def save_hf(model: Decoder, path: str | os.PathLike, architecture: str = "Qwen3F
             f.flush()
             os.fsync(f.fileno())
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        os.chmod(tmp / WEIGHTS_FILE, 0o666 & ~_umask())  # safetensors writes it private
-        _fsync(tmp / WEIGHTS_FILE)
-        _fsync(tmp)
-        _swap_in(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _fsync(target.parent)
+        os.chmod(tmp / WEIGHTS_FILE, 0o666 & ~atomic.umask())  # safetensors writes it private
+        atomic.fsync(tmp / WEIGHTS_FILE)
     return target

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
 import shutil
 from pathlib import Path
@@ -18,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from nemo_rz import atomic
 
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "history.safetensors", "optimizer.pt", "state.pt")
@@ -55,19 +56,14 @@ def checkpoints(ckpt_dir: Path) -> list[Path]:
 
 
 def save(ckpt_dir: Path, weights: dict, history: dict, optimizer: dict, state: dict, keep: int) -> Path:
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
-    final = ckpt_dir / f"step_{state['version']:06d}"
-    tmp = ckpt_dir / f".tmp-{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors")
-    save_file(_flatten_history(history) or {"empty": torch.zeros(0)}, tmp / "history.safetensors")
-    torch.save(optimizer, tmp / "optimizer.pt")
-    torch.save(state, tmp / "state.pt")
-    manifest = {"version": state["version"], "sha256": {name: _sha256(tmp / name) for name in FILES}}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    final = Path(ckpt_dir) / f"step_{state['version']:06d}"
+    with atomic.new_dir(final) as tmp:
+        save_file({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors")
+        save_file(_flatten_history(history) or {"empty": torch.zeros(0)}, tmp / "history.safetensors")
+        torch.save(optimizer, tmp / "optimizer.pt")
+        torch.save(state, tmp / "state.pt")
+        manifest = {"version": state["version"], "sha256": {name: _sha256(tmp / name) for name in FILES}}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     for old in checkpoints(ckpt_dir)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import json
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from nemo_rz import ops
+from nemo_rz import atomic, ops
 from nemo_rz.algorithms import group_advantages
 from nemo_rz.errors import DivergenceError
 from nemo_rz.generation import RolloutEngine, SamplingParams
@@ -333,9 +332,7 @@ class Trainer:
                 continue
             if isinstance(row, dict) and row.get("update", math.inf) <= self.version:
                 kept.append(line)
-        tmp = metrics.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, metrics)
+        atomic.write_text(metrics, "".join(line + "\n" for line in kept))
 
     def _diverged(self, e: DivergenceError, lr_key: str, lr: float) -> DivergenceError:
         if lr_key == "warmup.lr":

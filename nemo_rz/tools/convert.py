@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from nemo_rz import atomic
 from nemo_rz.tools.common import fail
 
 # GGUF general.architecture -> the Hugging Face architecture written to config.json
@@ -35,11 +34,8 @@ def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
     arch = HF_ARCHITECTURE[check_architecture(src)]  # refuses other families before the slow dequantization
     tokenizer = HFTokenizer.from_pretrained(src)
     model = load_gguf(src, dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        save_hf(model, tmp / "checkpoint", architecture=arch)
-        ckpt = tmp / "checkpoint"
+    with atomic.new_dir(out) as ckpt:
+        save_hf(model, ckpt, architecture=arch)
         tokenizer.tok.save_pretrained(str(ckpt))
         config_file = ckpt / "tokenizer_config.json"
         config = json.loads(config_file.read_text(encoding="utf-8"))
@@ -47,9 +43,6 @@ def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
         config_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.eos_ids), "pad_token_id": tokenizer.pad_id}
         (ckpt / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
-        os.rename(ckpt, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
