@@ -95,7 +95,7 @@ def child(run_dir: str, cache_dir: str, overrides: list[str]) -> None:
         status = {"ok": False, "error": f"{type(e).__name__}: {e}", "at_update": trainer.version}
         summary = {"updates": trainer.version, "max_grad_norm": trainer.max_grad_norm,
                    "is_dev_peak_over_median": trainer.is_dev.ratio,
-                   "heldout_pass_at_1_start": trainer.evals[0][1], "heldout_pass_at_1_end": float("nan")}
+                   "heldout_pass_at_1_start": trainer.heldout.history[0][1], "heldout_pass_at_1_end": float("nan")}
     summary["status"] = status
     (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
 

@@ -54,7 +54,7 @@ def run(cfg, run_dir: Path) -> dict:
     if cfg.metrics.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
 
-        trainer.tb = SummaryWriter(str(run_dir / "tb"))
+        trainer.metrics_log.tb = SummaryWriter(str(run_dir / "tb"))
     bar = None
     if cfg.progress:
         from tqdm import tqdm
@@ -76,8 +76,7 @@ def run(cfg, run_dir: Path) -> dict:
     finally:
         if bar is not None:
             bar.close()
-        if trainer.tb is not None:
-            trainer.tb.close()
+        trainer.metrics_log.close()
     atomic.write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     from nemo_rz.tools.report import write_plots
 

@@ -1,6 +1,7 @@
 """The learner role: the policy, its optimizer, and one update of REINFORCE Zero (or a baseline)."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -37,10 +38,30 @@ class Learner:
             algorithms.correction_params(correction, correction_params)
         except ValueError as e:
             raise ValueError(f"algo.correction_params: {e}") from None
-        self.model = model
+        self.model, self.lr = model, lr
         self.opt = torch.optim.Adam(model.parameters(), lr=lr)
         self.grad_clip, self.temperature, self.loss = grad_clip, temperature, loss
         self.correction, self.correction_params, self.ppo_clip_eps = correction, dict(correction_params), ppo_clip_eps
+
+    @contextlib.contextmanager
+    def supervised(self, lr: float):
+        """Supervised (warm-up) steps inside the block use their own Adam at `lr`; RL then starts with a fresh
+        one, since warm-up moments would otherwise steer the first RL updates."""
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        try:
+            yield
+        finally:
+            self.opt = torch.optim.Adam(self.model.parameters(), lr=self.lr)
+
+    def optimizer_state(self) -> dict:
+        return self.opt.state_dict()
+
+    def load_optimizer_state(self, state: dict, lr: float) -> None:
+        """Restore a saved optimizer; `lr` replaces the saved learning rate (a resume may lower it)."""
+        self.opt.load_state_dict(state)
+        self.lr = lr
+        for g in self.opt.param_groups:
+            g["lr"] = lr
 
     def state_dict_copy(self) -> dict[str, torch.Tensor]:
         """A snapshot of the current weights (a published version must not change under a reader)."""

@@ -9,8 +9,6 @@ counted as refused with a reason; produced == trained + refused is checked at th
 from __future__ import annotations
 
 import collections
-import json
-import math
 import random
 import time
 from pathlib import Path
@@ -18,18 +16,20 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from nemo_rz import atomic, ops
+from nemo_rz import ops
 from nemo_rz.algorithms import group_advantages
 from nemo_rz.errors import DivergenceError
-from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.generation.packing import pack
 from nemo_rz.metrics import RunningPeakMedian, lag_histogram
 from nemo_rz.models import Decoder, DecoderConfig
 from nemo_rz.protocols import RuntimeBackendProtocol
 from nemo_rz.runtime import checkpoint, runlock
 from nemo_rz.runtime.jobs import Job, Result, decode_completions, encode_completions
+from nemo_rz.runtime.evaluation import HeldOutEval
 from nemo_rz.runtime.learner import Learner
-from nemo_rz.tasks import evaluate_pass_at_1, make_task, safe_reward
+from nemo_rz.runtime.metrics_log import MetricsLog
+from nemo_rz.runtime.warmup import warm_up
+from nemo_rz.tasks import make_task, safe_reward
 
 
 def _check_generation_backend(name: str) -> None:
@@ -69,13 +69,13 @@ class Trainer:
         self.counts = collections.Counter()  # produced / trained / refused:<reason> / reward_errors
         self.lags: list[int] = []
         self.is_dev = RunningPeakMedian()
-        self.evals: list[tuple[int, float]] = []
+        self.heldout = HeldOutEval(self.model, self.task, cfg.eval.n, a.max_new_tokens, self.max_model_len)
         self.max_grad_norm = 0.0
-        self.tb = None  # a TensorBoard SummaryWriter, set by the caller (train.py) when wanted
+        self.metrics_log = MetricsLog(self.run_dir)
         self.start_time = time.time()
         if resume is None or not self._restore(resume):
             self._warmup()
-            self.evals.append((0, self.evaluate()))
+            self.heldout(0)
         self.history[self.version] = self.learner.state_dict_copy()
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -103,33 +103,10 @@ class Trainer:
 
     def _warmup(self) -> None:
         w = self.cfg.warmup
-        if w.steps <= 0:
-            return
-        opt_lr = self.learner.opt.param_groups[0]["lr"]
-        for g in self.learner.opt.param_groups:
-            g["lr"] = w.lr
-        rng = random.Random(self.cfg.seed)
-        start = time.time()
-        for step in range(w.steps):
-            problems = self.task.sample(w.batch_size, rng)
-            seqs, prompt_lens = [], []
-            for p in problems:
-                prompt = self.task.encode_prompt(p.prompt)
-                seqs.append(prompt + self.task.encode_answer(p.answer))
-                prompt_lens.append(len(prompt))
-            length = max(map(len, seqs))
-            ids = torch.zeros(len(seqs), length, dtype=torch.long)
-            target = torch.zeros(len(seqs), length - 1)
-            for i, (s, n) in enumerate(zip(seqs, prompt_lens)):
-                ids[i, : len(s)] = torch.tensor(s)
-                target[i, n - 1 : len(s) - 1] = 1.0
-            try:
-                loss = self.learner.sft_step(ids, torch.tensor([len(s) for s in seqs]), target, f"warm-up step {step + 1}")
-            except DivergenceError as e:
-                raise self._diverged(e, "warmup.lr", w.lr) from None
-        self.log(f"warm-up: {w.steps} supervised steps in {time.time() - start:.1f}s, final loss {loss:.3f}")
-        # A fresh optimizer for RL: warm-up moments would otherwise steer the first RL updates.
-        self.learner.opt = torch.optim.Adam(self.model.parameters(), lr=opt_lr)
+        try:
+            warm_up(self.learner, self.task, w.steps, w.batch_size, w.lr, self.cfg.seed, self.log)
+        except DivergenceError as e:
+            raise self._diverged(e, "warmup.lr", w.lr) from None
 
     # -- rollouts ----------------------------------------------------------------------------------
     def job(self, u: int) -> Job:
@@ -204,10 +181,9 @@ class Trainer:
                 if nxt < a.updates:
                     backend.submit(self.job(nxt))
                 if self.version == a.updates or (cfg.eval.every and self.version % cfg.eval.every == 0):
-                    record["heldout_pass_at_1"] = self.evaluate()
-                    self.evals.append((self.version, record["heldout_pass_at_1"]))
+                    record["heldout_pass_at_1"] = self.heldout(self.version)
                 record["worker_restarts"] = backend.restarts
-                self._write(record)
+                self.metrics_log.write(record)
                 if progress is not None:
                     progress(record)
                 if cfg.checkpoint.every and (self.version % cfg.checkpoint.every == 0 or self.version == a.updates):
@@ -262,51 +238,29 @@ class Trainer:
             record.update(kernel_diff_tokens=d["kernel_diff_tokens"], kernel_k3=d["kernel_k3"], lag_k3=d["lag_k3"])
         return record
 
-    # -- evaluation, logging, checkpoints ------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Greedy held-out pass@1 with the learner's current weights."""
-        n = min(self.cfg.eval.n, len(self.task.heldout))
-        self.model.eval()
-        engine = RolloutEngine(self.model, max_batch_size=min(256, n), max_model_len=self.max_model_len)
-        params = SamplingParams(self.cfg.algo.max_new_tokens, temperature=0.0, stop_token_ids=self.tok.eos_ids)
-
-        def generate(prompts):
-            return [o.token_ids for o in engine.generate(prompts, params)]
-
-        return evaluate_pass_at_1(generate, self.task, "heldout", limit=n, batch_size=n)["pass_at_1"]
-
-    def _write(self, record: dict) -> None:
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, record["update"])
-
+    # -- checkpoints -------------------------------------------------------------------------------
     def save(self) -> Path:
         a = self.cfg.algo
         keep = {v: sd for v, sd in self.history.items() if v != self.version}
         pending = {u: (r.version, r.worker, encode_completions(r.completions), r.seconds) for u, r in self.pending.items()}
         state = dict(version=self.version, counts=dict(self.counts), lags=self.lags, is_dev=self.is_dev.state_dict(),
-                     evals=self.evals, max_grad_norm=self.max_grad_norm, pending=pending, torch_rng=torch.get_rng_state(),
-                     elapsed=time.time() - self.start_time, max_lag=a.max_lag)
+                     **self.heldout.state_dict(), max_grad_norm=self.max_grad_norm, pending=pending,
+                     torch_rng=torch.get_rng_state(), elapsed=time.time() - self.start_time, max_lag=a.max_lag)
         return checkpoint.save(self.run_dir / "checkpoints", self.history[self.version], keep,
-                               self.learner.opt.state_dict(), state, self.cfg.checkpoint.keep)
+                               self.learner.optimizer_state(), state, self.cfg.checkpoint.keep)
 
     def _restore(self, run_dir: Path) -> bool:
         """Continue from the newest intact checkpoint; False when the run stopped before its first one."""
         found = checkpoint.load_latest(Path(run_dir) / "checkpoints", warn=self.log)
         if found is None:
             self.log(f"resume={run_dir}: no checkpoint yet (stopped before the first); starting the run again from update 0")
-            self._drop_replayed_metrics()
+            self.metrics_log.keep_until(self.version)
             return False
         path, (weights, history, opt_state, st) = found
         self.model.load_state_dict(weights)
-        self.learner.opt.load_state_dict(opt_state)
-        for g in self.learner.opt.param_groups:  # the saved lr is the old one: honour algo.lr set on resume
-            g["lr"] = self.cfg.algo.lr
-        self.version, self.lags, self.evals = st["version"], st["lags"], [tuple(e) for e in st["evals"]]
+        self.learner.load_optimizer_state(opt_state, self.cfg.algo.lr)  # honour algo.lr set on resume
+        self.version, self.lags = st["version"], st["lags"]
+        self.heldout.load_state_dict(st)
         self.counts.update(st["counts"])
         self.is_dev.load_state_dict(st["is_dev"])
         self.max_grad_norm = st["max_grad_norm"]
@@ -314,25 +268,9 @@ class Trainer:
         self.pending = {u: Result(u, v, w, decode_completions(rows), s) for u, (v, w, rows, s) in st["pending"].items()}
         torch.set_rng_state(st["torch_rng"])
         self.start_time = time.time() - st["elapsed"]
-        self._drop_replayed_metrics()
+        self.metrics_log.keep_until(self.version)  # lines after the checkpoint are replayed
         self.log(f"resumed from {path} at update {self.version}")
         return True
-
-    def _drop_replayed_metrics(self) -> None:
-        """Metrics written after the checkpoint by the interrupted run are replayed: drop them, and a last
-        line cut short by a crash mid-write."""
-        metrics = self.run_dir / "metrics.jsonl"
-        if not metrics.exists():
-            return
-        kept = []
-        for line in metrics.read_text(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and row.get("update", math.inf) <= self.version:
-                kept.append(line)
-        atomic.write_text(metrics, "".join(line + "\n" for line in kept))
 
     def _diverged(self, e: DivergenceError, lr_key: str, lr: float) -> DivergenceError:
         if lr_key == "warmup.lr":
@@ -347,7 +285,7 @@ class Trainer:
         refused = {k.split(":", 1)[1]: v for k, v in self.counts.items() if k.startswith("refused:") and v}
         if produced != trained + sum(refused.values()) + self._pending_count():
             raise RuntimeError(f"trajectory accounting broken: produced {produced} != trained {trained} + refused {refused} + pending {self._pending_count()}")
-        first, last = self.evals[0][1], self.evals[-1][1]
+        first, last = self.heldout.history[0][1], self.heldout.history[-1][1]
         return dict(
             updates=self.version, heldout_pass_at_1_start=first, heldout_pass_at_1_end=last, heldout_gain_points=100 * (last - first),
             produced=produced, trained=trained, refused=refused, pending=self._pending_count(), reward_errors=self.counts["reward_errors"],
