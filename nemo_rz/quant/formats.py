@@ -1,9 +1,10 @@
 """Element and scale formats: exact fp32 -> E4M3 / E5M2 / E2M1 rounding and E8M0 exponents.
 
 All rounding is round-to-nearest-even with saturation to the format's largest finite value, as the
-hardware's `satfinite` conversions do. E4M3/E5M2 use torch's casts after clamping (torch's cast is RNE but
-turns values past the top rounding boundary into NaN/inf, hence the clamp; the tests check every code and
-every tie). E2M1 has no torch cast on CPU, so it is rounded here by comparing with the midpoints of its grid.
+hardware's `satfinite` conversions do. E4M3/E5M2 use torch's RNE casts after a clamp (torch 2.13 saturates
+E4M3, even inf, but overflows E5M2 to inf; the clamp makes both saturate, and non-finite input is rejected
+before it gets here; the tests check every code and every tie). E2M1 has no torch cast on CPU, so it is
+rounded here by comparing with the midpoints of its grid.
 """
 from __future__ import annotations
 
