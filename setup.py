@@ -33,7 +33,7 @@ setup(
         "hf": ["transformers>=4.56", "tokenizers", "jinja2", "gguf>=0.19", "accelerate"],
         "math": ["math-verify"],  # the `math` verifier
         "dev": ["pytest", "hypothesis", "transformers>=4.56", "tokenizers", "jinja2", "gguf>=0.19", "accelerate", "math-verify",
-                "triton>=3.7"],
+                "triton>=3.7", "torchao>=0.18,<0.19"],  # torchao: the MX/NVFP4 cross-checks in test_quant.py
     },
     entry_points={
         "console_scripts": ["nemo-rz-train=nemo_rz.train:main"],
