@@ -14,7 +14,7 @@ import torch
 
 from nemo_rz.extras import GGUF, require
 from nemo_rz.models.decoder import Decoder
-from nemo_rz.models.hf import ModelFileError, config_from_hf
+from nemo_rz.models.hf_config import ModelFileError, config_from_hf
 
 # general.architecture values nemo_rz can run (Mistral GGUFs are written as "llama")
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
