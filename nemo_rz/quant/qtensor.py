@@ -17,6 +17,12 @@ from nemo_rz.quant.formats import e2m1_values, e8m0_value, rcp, unpack_e2m1
 NVFP4_GLOBAL = 448.0 * 6.0  # the E4M3 block-scale range times the E2M1 range
 
 
+def expand(per_block: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """A per-block tensor broadcast back to the elements of a 2-D tensor of `shape`."""
+    full = per_block.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return full[: shape[0], : shape[1]]
+
+
 @dataclass(frozen=True)
 class QTensor:
     """A quantized tensor.
@@ -57,6 +63,4 @@ class QTensor:
     def dequantize(self) -> torch.Tensor:
         """The decoded values, float32, in the original shape."""
         values = self.elements()
-        rows, cols = values.shape
-        mult = self.multipliers().repeat_interleave(self.block[0], 0).repeat_interleave(self.block[1], 1)
-        return (values * mult[:rows, :cols]).reshape(self.shape)
+        return (values * expand(self.multipliers(), self.block, values.shape)).reshape(self.shape)

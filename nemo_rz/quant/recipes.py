@@ -22,14 +22,13 @@ from nemo_rz.quant.formats import (
     e2m1_codes,
     e8m0_floor_ocp,
     e8m0_round_up,
-    e8m0_value,
     exp2_int,
     f32,
     pack_e2m1,
     rcp,
     to_e4m3,
 )
-from nemo_rz.quant.qtensor import NVFP4_GLOBAL, QTensor
+from nemo_rz.quant.qtensor import NVFP4_GLOBAL, QTensor, expand
 
 ROLES = ("weight", "activation")
 E2M1_EMAX = 2  # the largest E2M1 power of two is 2**2 (OCP MX: the scale is 2**(floor(log2 amax) - 2))
@@ -42,12 +41,6 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     nr, nc = -(-rows // br), -(-cols // bc)
     padded = torch.nn.functional.pad(x.abs(), (0, nc * bc - cols, 0, nr * br - rows))
     return padded.reshape(nr, br, nc, bc).amax(dim=(1, 3))
-
-
-def expand(per_block: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
-    """A per-block tensor broadcast back to the elements of a 2-D tensor of `shape`."""
-    full = per_block.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    return full[: shape[0], : shape[1]]
 
 
 def fp8_scale(amax: torch.Tensor, input_dtype: torch.dtype, pow2: bool) -> torch.Tensor:
