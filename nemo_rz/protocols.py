@@ -34,7 +34,8 @@ class KVCacheProtocol(Protocol):
 class RolloutEngineProtocol(Protocol):
     weight_version: int  # the version every completion of the next generate() call records
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], progress=None) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 progress=None) -> list[Completion]:
         """One completion per prompt, in order, with float32 logprobs of log-softmax(logits / T) at each token."""
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
