@@ -33,8 +33,10 @@ import torch.nn.functional as F
 CHUNK_ROWS = (256, 128, 64)  # chunk sizes tried, largest first
 MAX_MIN_ROWS = 4  # a route may pad calls up to this many rows, no more
 # Row counts probed (those below the chunk size) against one call of a whole chunk: every count up to 17 (small
-# decode batches, where BLAS paths change most), then both sides of the powers of two where blocking changes.
-PROBE_ROWS = tuple(range(1, 18)) + (23, 31, 32, 33, 47, 63, 64, 65, 96, 127, 128, 129, 191, 200, 255)
+# decode batches, where BLAS paths change most), then both sides of the powers of two where blocking changes,
+# up to the largest chunk a row-wise op may use.
+PROBE_ROWS = tuple(range(1, 18)) + (23, 31, 32, 33, 47, 63, 64, 65, 96, 127, 128, 129, 191, 200, 255, 256, 257,
+                                    511, 512, 513, 1000, 1023, 1024, 1025, 2047, 2048, 2049, 4095)
 BMM_ROWS = (4, 8, 16, 32)  # per-matrix row counts a batched product may be called with (attention tiles)
 
 _ALIGN = 64  # bytes: the CPU allocator's alignment; a view off it is copied, so the library sees what the probe saw
