@@ -39,5 +39,18 @@ setup(
         "console_scripts": ["nemo-rz-train=nemo_rz.train:main"],
         # vLLM runs this in every one of its processes; it imports vllm only inside register().
         "vllm.general_plugins": ["nemo_rz = nemo_rz.generation.vllm.plugin:register"],
+        # Named corrections, losses, tasks and verifiers (nemo_rz/plugins.py, docs/plugins.md): the built-ins are
+        # registered here exactly as another package registers its own.
+        "nemo_rz.plugins": [
+            *(f"correction.{n} = nemo_rz.algorithms.corrections:{n.upper()}"
+              for n in ("none", "unclipped", "tis", "token_mask", "seq_gate", "seq_gate_kl", "cis")),
+            "loss.reinforce_zero = nemo_rz.algorithms.loss:reinforce_zero_loss",
+            "loss.ppo_clip = nemo_rz.algorithms.loss:ppo_clip",
+            *(f"task.{n} = nemo_rz.tasks:{n}" for n in ("add1", "add2", "add3", "mul1", "mul2")),
+            "task.reverse = nemo_rz.tasks.arithmetic:reverse",
+            "task.jsonl = nemo_rz.tasks.jsonl:jsonl_task",
+            *(f"verifier.{n} = nemo_rz.tasks.verifiers:{n}" for n in ("exact", "numeric", "digits", "boxed")),
+            "verifier.math = nemo_rz.tasks.verifiers:math_equal",
+        ],
     },
 )

@@ -2,9 +2,10 @@
 
 validate(cfg) checks a merged config before any work and returns it resolved (interpolations replaced, ints
 given for floats made floats); the first bad key raises ConfigError naming the key, its value and what is
-valid, in a fraction of a second: nothing here imports torch. The task registry is read lazily (after the
-plain checks); the small fixed sets that code also checks (kernel modes, losses, corrections, dtypes) are
-written out here, and tests/test_config.py checks them against the code's own tuples.
+valid, in a fraction of a second: nothing here imports torch. Losses, corrections and tasks are the names
+registered through nemo_rz.plugins (package metadata only, read after the plain checks, so a plugin's name
+validates); the small fixed sets that code also checks (kernel modes, dtypes) are written out here, and
+tests/test_config.py checks them against the code's own tuples.
 
 A new key: add it to conf/default.yaml (with a comment) and a line to SCHEMA; tests/test_config.py checks
 that the two agree and that the defaults pass.
@@ -12,13 +13,14 @@ that the two agree and that the defaults pass.
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import difflib
 import math
 from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from nemo_rz import plugins
 from nemo_rz.errors import ConfigError
 
 MAX_SEED = 99_999_999  # rollout seeds are (seed * 1_000_003 + update) * 65_536 + i: must stay below 2**64
@@ -56,6 +58,12 @@ class Key:
     def _choices(self) -> tuple:
         return self.choices() if callable(self.choices) else self.choices
 
+    def hint(self, value: Any) -> str:
+        """ " (did you mean X?)" for a misspelt choice, else "". """
+        words = [c for c in self._choices() if isinstance(c, str)] if self.kind == "choice" else []
+        close = difflib.get_close_matches(str(value), words, n=1) if isinstance(value, str) else []
+        return f" (did you mean {close[0]}?)" if close else ""
+
     def accepts(self, value: Any) -> bool:
         if value is None:
             return self.optional
@@ -86,8 +94,8 @@ def _show(choice) -> str:
     return str(choice).lower() if isinstance(choice, bool) else str(choice)
 
 
-def _registry(module: str, name: str) -> Callable[[], tuple]:
-    return lambda: tuple(getattr(importlib.import_module(module), name))
+def _registered(kind: str) -> Callable[[], tuple]:
+    return lambda: plugins.names(kind)
 
 
 def Int(lo=None, hi=None, **kw) -> Key:
@@ -127,7 +135,7 @@ SCHEMA: dict[str, Key] = {
     "model.num_kv_heads": Int(1, fixed=True),
     "model.qk_norm": Bool(fixed=True),
     "model.max_position_embeddings": Int(1, fixed=True),
-    "task.name": Choice(_registry("nemo_rz.tasks", "TASKS"), fixed=True),
+    "task.name": Choice(_registered("task"), why="plugins add more: docs/plugins.md", fixed=True),
     "task.options": Key("mapping", fixed=True),
     "task.chat_template": Choice(("auto", True, False), fixed=True),
     "task.system_prompt": Str(optional=True, null_means="for none", fixed=True),
@@ -142,8 +150,8 @@ SCHEMA: dict[str, Key] = {
     "algo.grad_clip": Positive(optional=True, null_means="for no clipping"),
     "algo.temperature": Positive(fixed=True),
     "algo.max_new_tokens": Int(1),
-    "algo.loss": Choice(("reinforce_zero", "ppo_clip")),  # nemo_rz.runtime.learner.LOSSES
-    "algo.correction": Choice(("none", "unclipped", "tis", "token_mask", "seq_gate", "seq_gate_kl", "cis")),  # nemo_rz.algorithms.CORRECTIONS
+    "algo.loss": Choice(_registered("loss"), why="plugins add more: docs/plugins.md"),
+    "algo.correction": Choice(_registered("correction"), why="plugins add more: docs/plugins.md"),
     "algo.correction_params": Key("mapping"),
     "runtime.backend": Choice(("local", "ray")),
     "runtime.rollout_workers": Int(1),
@@ -198,7 +206,7 @@ def validate(cfg: DictConfig) -> DictConfig:
             raise ConfigError(f"config key {key} is missing; add it (see conf/default.yaml)") from None
         if not spec.accepts(value):
             shown = "null" if value is None else repr(value)
-            raise ConfigError(f"{key} = {shown}: expected {spec.expected()}")
+            raise ConfigError(f"{key} = {shown}: expected {spec.expected()}{spec.hint(value)}")
         _assign(plain, key, spec.normalised(value))
     return OmegaConf.create(plain)
 

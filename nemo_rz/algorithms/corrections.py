@@ -19,54 +19,121 @@ differentiates through them. Padded tokens get weight 0 and are never "rejected"
 A non-finite ratio on a valid token is a bug upstream (temperature or top-k/top-p mismatch, a token the
 rollout gave probability 0), so every method but `none` and `cis` raises NonFiniteRatioError
 instead of clipping it away.
+
+Each method is a Correction registered by name (nemo_rz.plugins): another package adds one the same way.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import torch
 
-# lambda is a Python keyword, so CIS takes `lam`.
-_DEFAULTS: dict[str, dict[str, float]] = {
-    "none": {},
-    "unclipped": {},
-    "tis": {"C": 2.0},
-    "token_mask": {"a": 0.5, "b": 5.0},
-    "seq_gate": {"lo": 0.999, "hi": 1.002},
-    "seq_gate_kl": {"delta": 3e-3},
-    "cis": {"lam": 2.3, "kappa": 5e-3},
-}
-CORRECTIONS: tuple[str, ...] = tuple(_DEFAULTS)
+from nemo_rz import plugins
+
+
+@dataclasses.dataclass(frozen=True)
+class Correction:
+    """What a registered correction is (entry point `correction.<name>`, see docs/plugins.md).
+
+    weights(lp_learner, lp_rollout, valid, **params) -> (w [B, T], rejected [B, T] bool, or None when it never
+    rejects): lp_* are detached, at least float32, 0 on padding; valid is [B, T] bool. params are `defaults`
+    overridden by algo.correction_params; check(params) returns what is wrong with them, or None.
+    finite_ratios: valid tokens with a non-finite ratio raise NonFiniteRatioError before weights() runs.
+    """
+    weights: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    defaults: dict[str, float] = dataclasses.field(default_factory=dict)
+    check: Callable[[dict[str, float]], str | None] = lambda p: None
+    finite_ratios: bool = True
 
 
 class NonFiniteRatioError(ValueError):
     """A valid token has an inf/nan importance ratio (or log-ratio)."""
 
 
+def correction(method: str) -> Correction:
+    """The correction registered as `method` (a built-in or a plugin's); ValueError when there is none."""
+    found = plugins.load("correction", method)
+    if not isinstance(found, Correction):
+        raise plugins.PluginError(f"correction {method!r} is a {type(found).__name__}, not a "
+                                  "nemo_rz.algorithms.Correction; see docs/plugins.md")
+    return found
+
+
 def correction_params(method: str, params: dict | None = None) -> dict[str, float]:
     """The method's parameters: defaults overridden by `params`; unknown names or bad values raise."""
-    if method not in _DEFAULTS:
-        raise ValueError(f"unknown correction {method!r}: use one of {', '.join(CORRECTIONS)}")
+    allowed = correction(method).defaults
     params = dict(params or {})
-    allowed = _DEFAULTS[method]
     unknown = sorted(set(params) - set(allowed))
     if unknown:
         valid = ", ".join(allowed) if allowed else "none"
         raise ValueError(f"unknown parameter(s) {', '.join(unknown)} for correction {method!r}: "
                          f"valid parameters are {valid}")
     p = {k: float(params.get(k, v)) for k, v in allowed.items()}
-    bad = None
-    if method == "tis" and not p["C"] > 0:
-        bad = f"C must be > 0, got {p['C']}"
-    elif method == "token_mask" and not 0 <= p["a"] <= p["b"]:
-        bad = f"need 0 <= a <= b, got a={p['a']} b={p['b']}"
-    elif method == "seq_gate" and not 0 < p["lo"] <= p["hi"]:
-        bad = f"need 0 < lo <= hi, got lo={p['lo']} hi={p['hi']}"
-    elif method == "seq_gate_kl" and not p["delta"] >= 0:
-        bad = f"delta must be >= 0, got {p['delta']}"
-    elif method == "cis" and not (p["lam"] >= 0 and 0 < p["kappa"] <= 1):
-        bad = f"need lam >= 0 and 0 < kappa <= 1, got lam={p['lam']} kappa={p['kappa']}"
+    bad = correction(method).check(p)
     if bad:
         raise ValueError(f"bad parameter for correction {method!r}: {bad}")
     return p
+
+
+def _rho(lp_l: torch.Tensor, lp_r: torch.Tensor) -> torch.Tensor:
+    return torch.exp(lp_l - lp_r)
+
+
+def _gated(rho: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor):
+    """Whole responses kept or gated out; kept ones keep the raw token ratios."""
+    keep = keep | (valid.sum(dim=1) == 0)  # nothing to gate in an empty response
+    return rho * keep.unsqueeze(1), valid & ~keep.unsqueeze(1)
+
+
+def _seq_gate(lp_l, lp_r, valid, lo, hi):
+    log_rho = lp_l - lp_r
+    stat = torch.exp((log_rho * valid).sum(dim=1) / valid.sum(dim=1).clamp(min=1))   # geometric mean of rho
+    return _gated(torch.exp(log_rho), valid, (stat >= lo) & (stat <= hi))
+
+
+def _seq_gate_kl(lp_l, lp_r, valid, delta):
+    # p, 1-p, 1-q; expm1 is exact near p = 1, the clamp stops a rounding-positive logprob from making log(1-p) nan
+    p_l = torch.exp(lp_l)
+    omp, omq = (-torch.expm1(lp_l)).clamp(min=0), (-torch.expm1(lp_r)).clamp(min=0)
+    # xlogy(0, .) = 0 keeps the p = 1 tokens finite; q = 1 with p < 1 gives +inf (gated out).
+    kl = p_l * (lp_l - lp_r) + torch.special.xlogy(omp, omp) - torch.special.xlogy(omp, omq)
+    stat = torch.where(valid, kl, torch.zeros_like(kl)).sum(dim=1) / valid.sum(dim=1).clamp(min=1)
+    return _gated(_rho(lp_l, lp_r), valid, stat <= delta)
+
+
+def _token_mask(lp_l, lp_r, valid, a, b):
+    rho = _rho(lp_l, lp_r)
+    keep = (rho >= a) & (rho <= b)
+    return torch.where(keep, rho, torch.zeros_like(rho)), valid & ~keep
+
+
+def _cis(lp_l, lp_r, valid, lam, kappa):
+    log_rho = lp_l - lp_r
+    cap = 1.0 + lam * (-torch.expm1(lp_l)).clamp(min=kappa)   # 1 - p, exact near p = 1
+    return torch.where(torch.isfinite(log_rho), torch.minimum(torch.exp(log_rho), cap), torch.ones_like(log_rho)), None
+
+
+def _need(ok: bool, text: str) -> str | None:
+    return None if ok else text
+
+
+# The built-ins, registered in setup.py (entry points correction.<name>) like any plugin's.
+NONE = Correction(lambda lp_l, lp_r, valid: (torch.ones_like(lp_l), None), finite_ratios=False)
+UNCLIPPED = Correction(lambda lp_l, lp_r, valid: (_rho(lp_l, lp_r), None))
+TIS = Correction(lambda lp_l, lp_r, valid, C: (_rho(lp_l, lp_r).clamp(max=C), None), {"C": 2.0},
+                 lambda p: _need(p["C"] > 0, f"C must be > 0, got {p['C']}"))
+TOKEN_MASK = Correction(_token_mask, {"a": 0.5, "b": 5.0},
+                        lambda p: _need(0 <= p["a"] <= p["b"], f"need 0 <= a <= b, got a={p['a']} b={p['b']}"))
+SEQ_GATE = Correction(_seq_gate, {"lo": 0.999, "hi": 1.002},
+                      lambda p: _need(0 < p["lo"] <= p["hi"], f"need 0 < lo <= hi, got lo={p['lo']} hi={p['hi']}"))
+SEQ_GATE_KL = Correction(_seq_gate_kl, {"delta": 3e-3},
+                         lambda p: _need(p["delta"] >= 0, f"delta must be >= 0, got {p['delta']}"))
+# lambda is a Python keyword, so CIS takes `lam`; only its upper side is cut, a non-finite log k gives w = 1.
+CIS = Correction(_cis, {"lam": 2.3, "kappa": 5e-3}, lambda p: _need(
+    p["lam"] >= 0 and 0 < p["kappa"] <= 1, f"need lam >= 0 and 0 < kappa <= 1, got lam={p['lam']} kappa={p['kappa']}"),
+    finite_ratios=False)
+CORRECTIONS = plugins.Registry("correction")  # every registered name: the built-ins above, then plugins'
 
 
 def _check_shapes(lp_l: torch.Tensor, lp_r: torch.Tensor, mask: torch.Tensor) -> None:
@@ -95,6 +162,7 @@ def importance_weights(learner_logprobs: torch.Tensor, rollout_logprobs: torch.T
     """
     p = correction_params(method, params)
     _check_shapes(learner_logprobs, rollout_logprobs, mask)
+    found = correction(method)
     valid = mask.detach() != 0
     # Ratios in at least fp32: exp of a bf16 difference is too coarse to tell 1.001 from 1.
     dtype = torch.promote_types(learner_logprobs.dtype, torch.float32)
@@ -103,44 +171,18 @@ def importance_weights(learner_logprobs: torch.Tensor, rollout_logprobs: torch.T
         # Padding may hold anything (-inf, nan): replace it before any arithmetic touches it.
         lp_l = torch.where(valid, learner_logprobs.detach().to(dtype), zero)
         lp_r = torch.where(valid, rollout_logprobs.detach().to(dtype), zero)
-        log_rho = lp_l - lp_r
-        rho = torch.exp(log_rho)
-        if method not in ("none", "cis"):
-            bad = valid & ~(torch.isfinite(log_rho) & torch.isfinite(rho))
+        if found.finite_ratios:
+            log_rho = lp_l - lp_r
+            bad = valid & ~(torch.isfinite(log_rho) & torch.isfinite(torch.exp(log_rho)))
             if bad.any():
                 _raise_non_finite(bad, learner_logprobs, rollout_logprobs, method)
-
-        rejected = torch.zeros_like(valid)
-        if method == "none":
-            w = torch.ones_like(rho)
-        elif method == "unclipped":
-            w = rho
-        elif method == "tis":
-            w = rho.clamp(max=p["C"])
-        elif method == "token_mask":
-            keep = (rho >= p["a"]) & (rho <= p["b"])
-            w = torch.where(keep, rho, zero)
-            rejected = valid & ~keep
-        elif method in ("seq_gate", "seq_gate_kl"):
-            n = valid.sum(dim=1)
-            if method == "seq_gate":
-                stat = torch.exp((log_rho * valid).sum(dim=1) / n.clamp(min=1))   # geometric mean of rho
-                keep = (stat >= p["lo"]) & (stat <= p["hi"])
-            else:
-                # p, 1-p, 1-q; expm1 is exact near p = 1, the clamp stops a rounding-positive logprob
-                # from making log(1-p) nan
-                p_l = torch.exp(lp_l)
-                omp, omq = (-torch.expm1(lp_l)).clamp(min=0), (-torch.expm1(lp_r)).clamp(min=0)
-                # xlogy(0, .) = 0 keeps the p = 1 tokens finite; q = 1 with p < 1 gives +inf (gated out).
-                kl = p_l * log_rho + torch.special.xlogy(omp, omp) - torch.special.xlogy(omp, omq)
-                stat = torch.where(valid, kl, zero).sum(dim=1) / n.clamp(min=1)
-                keep = stat <= p["delta"]
-            keep = keep | (n == 0)                      # nothing to gate in an empty response
-            w = rho * keep.unsqueeze(1)                 # kept responses keep the raw token ratios
-            rejected = valid & ~keep.unsqueeze(1)
-        else:  # cis
-            omp = -torch.expm1(lp_l)                    # 1 - p, exact near p = 1
-            cap = 1.0 + p["lam"] * omp.clamp(min=p["kappa"])
-            w = torch.where(torch.isfinite(log_rho), torch.minimum(rho, cap), torch.ones_like(rho))
-        w = torch.where(valid, w, zero)
+        w, rejected = found.weights(lp_l, lp_r, valid, **p)
+        if not isinstance(w, torch.Tensor) or w.shape != valid.shape:
+            raise ValueError(f"correction {method!r} returned weights of shape {tuple(getattr(w, 'shape', ()))}, "
+                             f"not the batch's {tuple(valid.shape)}")
+        bad = valid & ~torch.isfinite(w)
+        if bad.any():
+            raise NonFiniteRatioError(f"correction {method!r} gave {int(bad.sum())} valid token(s) a non-finite weight")
+        w = torch.where(valid, w.to(dtype), zero)
+        rejected = valid & (torch.zeros_like(valid) if rejected is None else rejected.to(torch.bool))
     return w, rejected

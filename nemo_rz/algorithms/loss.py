@@ -101,3 +101,10 @@ def ppo_clip_loss(learner_logprobs: torch.Tensor, old_logprobs: torch.Tensor, ad
     metrics = _gap_metrics(learner_logprobs, old_logprobs, mask, valid, clipped)
     metrics.update(loss=loss.item(), clip_fraction=metrics["rejection_rate"])
     return loss, metrics
+
+
+def ppo_clip(learner_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+             mask: torch.Tensor, correction: str = "unclipped", **params) -> tuple[torch.Tensor, dict[str, float]]:
+    """The registered loss `ppo_clip`: ppo_clip_loss at its default clip. The clip is PPO's own correction, so
+    `correction` and its params (checked by the Learner like any loss's) are not applied."""
+    return ppo_clip_loss(learner_logprobs, old_logprobs, advantages, mask)

@@ -6,13 +6,15 @@ import math
 
 import torch
 
-from nemo_rz import algorithms
+from nemo_rz import algorithms, plugins
 from nemo_rz.errors import DivergenceError
 from nemo_rz.generation.packing import Packed
 from nemo_rz.metrics import decomposition
 from nemo_rz.models import Decoder
 
-LOSSES = ("reinforce_zero", "ppo_clip")
+LOSSES = plugins.names("loss")  # every registered loss: the built-ins (reinforce_zero, ppo_clip), then plugins'
+# What the trainer reads from a loss's metrics (docs/plugins.md: a plugin loss must report them too).
+LOSS_METRICS = ("loss", "is_dev", "k1", "k3", "rho_min", "rho_max", "rejection_rate")
 # A stable step moves the weights by a small fraction of their norm (about 0.3% at the default learning
 # rate): a step that more than doubles the whole norm is divergence, even while the weights are finite.
 MAX_WEIGHT_GROWTH = 2.0
@@ -31,17 +33,18 @@ def weight_norm(model: torch.nn.Module) -> float:
 
 class Learner:
     def __init__(self, model: Decoder, lr: float, grad_clip: float | None, temperature: float, loss: str,
-                 correction: str, correction_params: dict, ppo_clip_eps: float = 0.2):
-        if loss not in LOSSES:
-            raise ValueError(f"algo.loss = {loss!r}: use one of {', '.join(LOSSES)}")
-        try:  # here, before any step, rather than at the first RL update
+                 correction: str, correction_params: dict):
+        # Here, before any step, rather than at the first RL update (a plugin that fails to load says so itself).
+        self.loss_fn = plugins.load("loss", loss)
+        algorithms.corrections.correction(correction)
+        try:
             algorithms.correction_params(correction, correction_params)
         except ValueError as e:
             raise ValueError(f"algo.correction_params: {e}") from None
         self.model, self.lr = model, lr
         self.opt = torch.optim.Adam(model.parameters(), lr=lr)
         self.grad_clip, self.temperature, self.loss = grad_clip, temperature, loss
-        self.correction, self.correction_params, self.ppo_clip_eps = correction, dict(correction_params), ppo_clip_eps
+        self.correction, self.correction_params = correction, dict(correction_params)
 
     @contextlib.contextmanager
     def supervised(self, lr: float):
@@ -95,10 +98,10 @@ class Learner:
         nan = int(torch.isnan(lp.detach()[batch.mask.bool()]).sum())
         if nan:  # the learner's own numbers broke (a mismatch with the rollout would give finite or -inf values)
             raise DivergenceError(f"{what}: the learner's logprobs are NaN on {nan} token(s) (weight norm {weight_norm(self.model):.3g})")
-        if self.loss == "ppo_clip":
-            loss, m = algorithms.ppo_clip_loss(lp, batch.rollout_logprobs, advantages, batch.mask, clip_eps=self.ppo_clip_eps)
-        else:
-            loss, m = algorithms.reinforce_zero_loss(lp, batch.rollout_logprobs, advantages, batch.mask, self.correction, **self.correction_params)
+        loss, m = self.loss_fn(lp, batch.rollout_logprobs, advantages, batch.mask, self.correction, **self.correction_params)
+        missing = [k for k in LOSS_METRICS if k not in m]
+        if missing:
+            raise ValueError(f"loss {self.loss!r} reported no {', '.join(missing)} in its metrics; see docs/plugins.md")
         m["grad_norm"] = self._apply(loss, what)
         return m, lp.detach()
 
