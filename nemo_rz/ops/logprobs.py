@@ -71,7 +71,7 @@ class _LogSoftmax(torch.autograd.Function):
 
 def log_softmax_tiled(x: torch.Tensor) -> torch.Tensor:
     """Fixed-tile log-softmax; the row sum is two-level (blocks of SUM_BLOCK, then the block sums), so its
-    error grows with sqrt of the block sizes, not of the vocabulary (float32 within ~1e-6 of float64)."""
+    error grows with the block sizes, not with the vocabulary (float32 within ~4e-6 of float64 at V=151936)."""
     rows, vocab = x.shape
     t = to_tiles(x)
     with torch.no_grad():  # the shift cancels in log-softmax (exact max, any order): no gradient through it
