@@ -1,11 +1,25 @@
-"""Decoder hyper-parameters (Qwen3 family: RMSNorm, RoPE, GQA, SwiGLU, optional qk-norm and tied embeddings)."""
+"""Decoder hyper-parameters: the Qwen3 / Qwen2 / Llama base (RMSNorm, RoPE, GQA, SwiGLU, optional qk-norm and
+tied embeddings) plus what varies per layer or per family: attention kind (full or sliding window, learned
+sinks), MLP kind (dense or mixture of experts), norm / activation / embedding variants and RoPE scaling."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import torch
 
+from nemo_rz.ops.rope import RopeScaling
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# "rms": weight * normalized in the model dtype (Qwen/Llama); "rms_f32": weight applied in float32 (gpt-oss);
+# "gemma": normalized * (1 + weight) in float32 (Gemma).
+NORMS = ("rms", "rms_f32", "gemma")
+ACTIVATIONS = ("silu", "gelu_tanh")
+# "qwen3": softmax over all experts, top-k, optional renormalisation; SwiGLU experts without biases.
+# "gpt_oss": top-k over the logits, softmax over the k; router and expert biases; clamped SwiGLU.
+MOE_KINDS = ("qwen3", "gpt_oss")
 
 
 @dataclasses.dataclass
@@ -20,21 +34,45 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     qk_norm: bool = True
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     sliding_window: int | None = None
     dtype: str = "float32"
+    # -- per layer ---------------------------------------------------------------------------------
+    layer_types: list[str] | None = None  # one of LAYER_TYPES per layer; None: all sliding if sliding_window
+    moe_layers: list[int] | None = None  # layers with a mixture of experts; None: all of them when num_experts
+    # -- attention variants ------------------------------------------------------------------------
+    attention_sinks: bool = False  # one learned logit per head in every softmax denominator (gpt-oss)
+    o_proj_bias: bool = False
+    query_pre_attn_scalar: float | None = None  # softmax scale = this ** -0.5 (None: head_dim)
+    rope_scaling: dict | None = None  # RopeScaling fields (rope_type, factor, ...); None: plain RoPE
+    rope_local_theta: float | None = None  # sliding layers' RoPE theta, unscaled (Gemma 3); None: as full layers
+    # -- norm / activation / embedding variants ------------------------------------------------------
+    norm: str = "rms"
+    sandwich_norm: bool = False  # norms on the attention and MLP outputs too (Gemma's four norms per layer)
+    hidden_act: str = "silu"
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    # -- mixture of experts ----------------------------------------------------------------------------
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None  # default intermediate_size
+    moe_kind: str = "qwen3"
+    norm_topk_prob: bool = True  # qwen3: renormalise the k chosen probabilities to sum to 1
+    swiglu_limit: float = 7.0  # gpt_oss
 
     def __post_init__(self):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // max(self.num_heads, 1)
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
         self.validate()
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "num_experts_per_tok", "moe_intermediate_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"DecoderConfig.{name} = {value!r}: must be a positive integer")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -43,10 +81,66 @@ class DecoderConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"DecoderConfig.head_dim = {self.head_dim}: RoPE needs an even head_dim")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"DecoderConfig.dtype = {self.dtype!r}: use one of {', '.join(DTYPES)}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
+        for name, allowed in (("dtype", tuple(DTYPES)), ("norm", NORMS), ("hidden_act", ACTIVATIONS), ("moe_kind", MOE_KINDS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"DecoderConfig.{name} = {getattr(self, name)!r}: use one of {', '.join(allowed)}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window <= 0):
             raise ValueError(f"DecoderConfig.sliding_window = {self.sliding_window}: must be positive or None")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ValueError(
+                    f"DecoderConfig.layer_types = {self.layer_types!r}: need one of {', '.join(LAYER_TYPES)} per layer "
+                    f"({self.num_layers})"
+                )
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("DecoderConfig: layer_types has sliding_attention layers but sliding_window is None; set it")
+        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"DecoderConfig.num_experts = {self.num_experts!r}: must be 0 (dense) or a positive integer")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"DecoderConfig: num_experts_per_tok={self.num_experts_per_tok} is more than num_experts={self.num_experts}"
+            )
+        if self.moe_layers is not None and any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers for i in self.moe_layers):
+            raise ValueError(f"DecoderConfig.moe_layers = {self.moe_layers!r}: need layer indices in [0, {self.num_layers})")
+        for name in ("rope_theta", "rms_norm_eps", "swiglu_limit", "query_pre_attn_scalar", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"DecoderConfig.{name} = {value!r}: must be a positive finite number")
+        if self.rope_scaling is not None:
+            self.rope_scaling_rule  # noqa: B018 (validates)
+
+    # -- per-layer structure ---------------------------------------------------------------------------
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window (None: full attention)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def windows(self) -> list[int | None]:
+        return [self.window(i) for i in range(self.num_layers)]
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
+
+    @functools.cached_property
+    def rope_scaling_rule(self) -> RopeScaling | None:
+        if self.rope_scaling is None:
+            return None
+        try:
+            return RopeScaling(**self.rope_scaling)
+        except TypeError as e:
+            raise ValueError(f"DecoderConfig.rope_scaling = {self.rope_scaling!r}: {e}") from None
+
+    def rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """(theta, scaling) of layer `layer`'s RoPE."""
+        if self.rope_local_theta is not None and self.window(layer) is not None:
+            return float(self.rope_local_theta), None
+        return float(self.rope_theta), self.rope_scaling_rule
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,7 +1,8 @@
-"""A decoder-only transformer built only from nemo_rz.ops.
+"""A decoder-only transformer built only from nemo_rz.ops, composed per layer from the blocks in
+models/layers.py (attention: full, sliding window, sinks; MLP: dense or mixture of experts, models/moe.py).
 
-Parameter names follow Hugging Face's Qwen2/Qwen3/Llama layout (`model.layers.0.self_attn.q_proj.weight`...),
-so checkpoints load without renaming. One forward serves both sides:
+Parameter names follow Hugging Face's layout (`model.layers.0.self_attn.q_proj.weight`...), so checkpoints
+load without renaming. One forward serves both sides:
 - the learner: `token_logprobs(input_ids)` runs the whole [B, T] batch with autograd;
 - the rollout engine: `step(ids, positions, seq_idx, cache)` runs any mix of prefill and decode tokens and
   writes their keys/values into a KV cache.
@@ -12,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nemo_rz import ops
 from nemo_rz.models.config import DecoderConfig
+from nemo_rz.models.layers import MLP, Attention, Block, Linear, RMSNorm, block, embed_scale, norm
 from nemo_rz.protocols import KVCacheProtocol
+
+__all__ = ["Attention", "Block", "Decoder", "KVCache", "Linear", "MLP", "RMSNorm", "Tokens"]
 
 
 _KV_HEAD_OFFSETS: dict = {}
@@ -30,27 +33,6 @@ def _kv_head_offsets(kv_heads: int, max_len: int, device) -> torch.Tensor:
     if t is None:
         t = _KV_HEAD_OFFSETS[key] = torch.arange(kv_heads, device=device) * max_len
     return t
-
-
-class Linear(nn.Module):
-    def __init__(self, n_in: int, n_out: int, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_out, n_in, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(n_out, dtype=dtype)) if bias else None
-        nn.init.normal_(self.weight, std=0.02)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
 
 
 @dataclasses.dataclass
@@ -101,71 +83,10 @@ class Tokens:
     seq_idx: torch.Tensor  # [N]
     cache: KVCacheProtocol | None = None  # None: a dense [B, T] learner batch, its own cache
     dense: tuple[int, int] | None = None
-    # Per-forward values shared by every layer (filled in by Decoder.hidden):
-    plan: ops.AttentionPlan | None = None  # attention bookkeeping
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # rotation of each position (ops.rope_cos_sin)
+    # Per-forward values shared by the layers (filled in by Decoder.hidden):
+    plans: dict | None = None  # attention window -> ops.AttentionPlan (bookkeeping)
+    ropes: dict | None = None  # (theta, scaling) -> rotation of each position (ops.rope_cos_sin)
     cache_rows: torch.Tensor | None = None  # [N * Hkv] rows a KVCache writes (KVCache.rows)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer: int):
-        super().__init__()
-        dt, h, d = cfg.torch_dtype, cfg.num_heads, cfg.head_dim
-        self.layer, self.cfg = layer, cfg
-        self.q_proj = Linear(cfg.hidden_size, h * d, cfg.attention_bias, dt)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * d, cfg.attention_bias, dt)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * d, cfg.attention_bias, dt)
-        self.o_proj = Linear(h * d, cfg.hidden_size, False, dt)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
-
-    def forward(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
-        cfg, n = self.cfg, x.shape[0]
-        q = self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = ops.rope(q, t.positions, cfg.rope_theta, t.rope)
-        k = ops.rope(k, t.positions, cfg.rope_theta, t.rope)
-        if t.cache is None:
-            b, length = t.dense
-            pad = (-length) % ops.KV_BLOCK
-            k_all = F.pad(k.view(b, length, -1, cfg.head_dim), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
-            v_all = F.pad(v.view(b, length, -1, cfg.head_dim), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
-            table = None
-        else:
-            t.cache.write(self.layer, k, v, t)
-            k_all, v_all, table = t.cache.view(self.layer)
-        out = ops.attention(q, k_all, v_all, t.seq_idx, t.positions, cfg.head_dim ** -0.5, cfg.sliding_window,
-                            block_table=table, plan=t.plan)
-        return self.o_proj(out.reshape(n, cfg.num_heads * cfg.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
-        super().__init__()
-        dt = cfg.torch_dtype
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dt)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False, dt)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dt)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
-        self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x: torch.Tensor, t: Tokens) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), t)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Body(nn.Module):
@@ -173,8 +94,8 @@ class Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.torch_dtype)
         nn.init.normal_(self.embed_tokens.weight, std=0.02)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.torch_dtype)
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = norm(cfg)
 
 
 class Decoder(nn.Module):
@@ -195,13 +116,18 @@ class Decoder(nn.Module):
                     f"token id out of range [0, {cfg.vocab_size}) in the model input: "
                     "check the tokenizer matches the model's vocab_size"
                 )
+        layers = range(cfg.num_layers)
         t = dataclasses.replace(
             t,
-            plan=t.plan or ops.AttentionPlan(t.seq_idx, t.positions, cfg.num_heads, cfg.num_kv_heads, cfg.sliding_window),
-            rope=t.rope or ops.rope_cos_sin(t.positions, cfg.head_dim, cfg.rope_theta),
+            plans=t.plans or {w: ops.AttentionPlan(t.seq_idx, t.positions, cfg.num_heads, cfg.num_kv_heads, w)
+                              for w in dict.fromkeys(cfg.window(i) for i in layers)},
+            ropes=t.ropes or {r: ops.rope_cos_sin(t.positions, cfg.head_dim, r[0], r[1])
+                              for r in dict.fromkeys(cfg.rope(i) for i in layers)},
             cache_rows=t.cache.rows(t) if t.cache_rows is None and isinstance(t.cache, KVCache) else t.cache_rows,
         )
         x = ops.embedding(t.ids, self.model.embed_tokens.weight)
+        if cfg.embed_scale:
+            x = x * embed_scale(cfg).to(x.device)
         for block in self.model.layers:
             x = block(x, t)
         return self.model.norm(x)
@@ -238,6 +164,9 @@ class Decoder(nn.Module):
 
     # -- rollout path ------------------------------------------------------------------------------
     def new_cache(self, num_seqs: int, max_len: int, device=None) -> KVCache:
+        """Keys/values for `num_seqs` sequences of up to `max_len` tokens. A sliding-window layer's cache is as long
+        as a full layer's (its window is applied by the attention mask): the engine and the prefix cache address
+        the cache by position."""
         cfg = self.config
         max_len += (-max_len) % ops.KV_BLOCK
         shape = (num_seqs, cfg.num_kv_heads, max_len, cfg.head_dim)

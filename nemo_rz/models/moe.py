@@ -1,0 +1,130 @@
+"""Mixture-of-experts MLPs, the two routing families: Qwen3-MoE and gpt-oss.
+
+Both run the same consistent pipeline: float32 router logits (ops.linear on float32 activations, whatever the
+model dtype), deterministic top-k (ops.route_topk: ties go to the lower expert index), the family's weight
+normalisation, every (token, chosen expert) pair through its expert with ops.expert_linear (fixed row tiles:
+a pair's bits depend neither on how many tokens the expert got nor on the other tokens; no capacity, nothing
+dropped), and ops.moe_combine (each token's k outputs added in increasing expert order). So a token's routing
+and output are the same bits in any batch: the learner recomputes the rollout's routing exactly, no replay.
+
+Expert weights are stacked 3-D parameters under transformers' (v5) names: Qwen3-MoE `experts.gate_up_proj`
+[E, 2I, H] (gate rows, then up rows) and `experts.down_proj` [E, H, I]; gpt-oss `experts.gate_up_proj`
+[E, H, 2I] (gate and up interleaved), `experts.down_proj` [E, I, H] and their biases.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nemo_rz import ops
+from nemo_rz.models.config import DecoderConfig
+from nemo_rz.models.layers import Linear
+
+_COPY = "_nemo_rz_t"  # the attribute ops.forget_weight_copies drops (the cached [in, out] copy of a weight)
+
+
+def transposed(weight: torch.Tensor) -> torch.Tensor:
+    """[E, out, in] -> contiguous [E, in, out] for ops.expert_linear. Without autograd the copy is kept on the
+    weight until its version counter moves (an optimizer step, `copy_`), as ops.linear keeps its copies."""
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return weight.transpose(1, 2).contiguous()
+    key = (None if weight.is_inference() else weight._version, weight.data_ptr(), weight.dtype)
+    cached = weight.__dict__.get(_COPY)
+    if cached is None or cached[0] != key:
+        cached = (key, weight.detach().transpose(1, 2).contiguous())
+        weight.__dict__[_COPY] = cached
+    return cached[1]
+
+
+def _pairs(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows of x repeated once per chosen expert [N * k, H], the expert of each row [N * k])."""
+    n, k = experts.shape
+    return x.repeat_interleave(k, dim=0), experts.reshape(n * k)
+
+
+def _row_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum over the k columns, left to right: a fixed order for every row."""
+    total = values[:, 0]
+    for j in range(1, values.shape[1]):
+        total = total + values[:, j]
+    return total.unsqueeze(1)
+
+
+class Qwen3MoeExperts(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=cfg.torch_dtype))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=cfg.torch_dtype))
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        rows, which = _pairs(x, experts)
+        gate_up = ops.expert_linear(rows, which, transposed(self.gate_up_proj), None)
+        i = gate_up.shape[1] // 2
+        y = ops.expert_linear(ops.silu_and_mul(gate_up[:, :i], gate_up[:, i:]), which, transposed(self.down_proj), None)
+        return ops.moe_combine(y, weights, experts)
+
+
+class Qwen3Moe(nn.Module):
+    """Router `gate` (no bias): softmax over all experts, top-k, renormalised when norm_topk_prob."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, False, cfg.torch_dtype)
+        self.experts = Qwen3MoeExperts(cfg)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights [N, k] float32, experts [N, k])."""
+        probs = ops.softmax(ops.linear(x.float(), self.gate.weight))
+        weights, experts = ops.route_topk(probs, self.k)
+        if self.renormalize:
+            weights = weights / _row_sum(weights)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        return self.experts(x, experts, weights)
+
+
+class GptOssExperts(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        e, h, i, dt = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.torch_dtype
+        self.limit = cfg.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i, dtype=dt))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i, dtype=dt))
+        self.down_proj = nn.Parameter(torch.empty(e, i, h, dtype=dt))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h, dtype=dt))
+        nn.init.normal_(self.gate_up_proj, std=0.02)
+        nn.init.normal_(self.down_proj, std=0.02)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        rows, which = _pairs(x, experts)
+        gate_up = ops.expert_linear(rows, which, self.gate_up_proj, self.gate_up_proj_bias)
+        act = ops.clamped_swiglu(gate_up[:, ::2], gate_up[:, 1::2], self.limit, 1.702)
+        y = ops.expert_linear(act, which, self.down_proj, self.down_proj_bias)
+        return ops.moe_combine(y, weights, experts)
+
+
+class GptOssMoe(nn.Module):
+    """Router with bias: top-k over the logits, softmax over the k chosen."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.k = cfg.num_experts_per_tok
+        self.router = Linear(cfg.hidden_size, cfg.num_experts, True, cfg.torch_dtype)
+        self.experts = GptOssExperts(cfg)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, experts = ops.route_topk(ops.linear(x.float(), self.router.weight, self.router.bias), self.k)
+        return ops.softmax(logits), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        return self.experts(x, experts, weights)
+
+
+KINDS = {"qwen3": Qwen3Moe, "gpt_oss": GptOssMoe}
