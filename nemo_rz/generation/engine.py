@@ -22,6 +22,7 @@ from nemo_rz import ops
 from nemo_rz.generation.prefix_cache import PrefixCache
 from nemo_rz.generation.sampling import Completion, SamplingParams, checked_requests
 from nemo_rz.models.decoder import Decoder
+from nemo_rz.models.draft import split_state
 
 
 
@@ -48,7 +49,8 @@ class RolloutEngine:
 
     max_batch_size: concurrent requests (KV-cache slots); max_model_len: prompt + completion limit;
     prefill_chunk: split long prompts into chunks of this many tokens (None: whole prompt in one step);
-    prefix_cache_blocks: blocks of 16 tokens kept for prefix reuse (0 disables it).
+    prefix_cache_blocks: blocks of 16 tokens kept for prefix reuse (0 disables it);
+    speculator: a `nemo_rz.generation.speculative.Speculator` (draft-and-verify steps), or None for plain steps.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class RolloutEngine:
         prefix_cache_blocks: int = 4096,
         seed: int = 0,
         weight_version: int = 0,
+        speculator=None,
     ):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size = {max_batch_size}: must be >= 1")
@@ -75,11 +78,19 @@ class RolloutEngine:
         self._requests_seen = 0
         self._cache = None
         self.stats = collections.Counter()
+        self.speculator = speculator
+        if speculator is not None:
+            speculator.draft.check_target(model)
 
     # -- weights -----------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load new weights between generate calls; cached prefixes of the old weights are dropped."""
+        """Load new weights between generate calls; cached prefixes of the old weights are dropped. With a
+        speculator, the draft's weights come in the same dict (keys under `draft.`)."""
+        if self.speculator is not None:
+            state_dict, draft = split_state(state_dict)
+            if draft is not None:
+                self.speculator.load(draft)
         self.model.load_state_dict(state_dict, strict=True)
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
@@ -96,6 +107,10 @@ class RolloutEngine:
         waiting = collections.deque(self._requests(prompts, params))
         if self._cache is None or self._cache.max_len < self.max_model_len:
             self._cache = self.model.new_cache(self.max_batch_size, self.max_model_len)
+        spec = self.speculator
+        if spec is not None:
+            spec.prepare(self.max_batch_size, self._cache.max_len)
+        step = self._step if spec is None else (lambda reqs: spec.step(self, reqs))
         free = list(range(self.max_batch_size - 1, -1, -1))
         running: list[_Request] = []
         done: dict[int, Completion] = {}
@@ -108,12 +123,17 @@ class RolloutEngine:
                     self.stats["prefix_hit_tokens"] += req.computed
                 if req.params.temperature != 0:
                     req.uniforms = torch.rand(req.params.max_new_tokens, generator=req.generator, dtype=torch.float64).tolist()
+                if spec is not None:
+                    spec.admit(self, req)
                 running.append(req)
-            for req in self._step(running):
+            for req in step(running):
                 running.remove(req)
                 free.append(req.slot)
-                if not all(math.isfinite(x) for x in req.logprobs):
+                finite = all(math.isfinite(x) for x in req.logprobs)
+                if not finite:
                     self._clear_slot(req.slot)  # non-finite keys/values must not leak to the slot's next request
+                if spec is not None:
+                    spec.release(req, clear=not finite)
                 done[req.index] = Completion(
                     req.prompt, req.tokens, torch.tensor(req.logprobs, dtype=torch.float32), self.weight_version,
                     "stop" if req.tokens[-1] in req.params.stop_token_ids else "length",
@@ -127,31 +147,34 @@ class RolloutEngine:
             k[slot].zero_()
             v[slot].zero_()
 
+    def _span(self, req: _Request) -> list[int]:
+        """The tokens this step computes for `req`: the rest of its sequence, or the next prefill chunk."""
+        prompt, tokens, start = req.prompt, req.tokens, req.computed
+        n_prompt = len(prompt)
+        total = n_prompt + len(tokens)
+        end = total if self.prefill_chunk is None else min(total, start + self.prefill_chunk)
+        if start >= n_prompt:
+            return tokens[start - n_prompt : end - n_prompt]
+        return prompt[start:end] + (tokens[: end - n_prompt] if end > n_prompt else [])
+
     def _step(self, running: list[_Request]) -> list[_Request]:
         """One forward over all running requests; returns those that finished."""
         ids: list[int] = []
         pos: list[int] = []
         seq: list[int] = []
         sample_rows, sampling = [], []
-        chunk = self.prefill_chunk
         n_prefill = 0
         for req in running:
-            prompt, tokens, start = req.prompt, req.tokens, req.computed
-            n_prompt = len(prompt)
-            total = n_prompt + len(tokens)
-            end = total if chunk is None else min(total, start + chunk)
-            if start >= n_prompt:
-                ids += tokens[start - n_prompt : end - n_prompt]
-            else:
-                ids += prompt[start:end]
-                if end > n_prompt:
-                    ids += tokens[: end - n_prompt]
+            start = req.computed
+            span = self._span(req)
+            end = start + len(span)
+            ids += span
             pos += range(start, end)
             seq += [req.slot] * (end - start)
-            if not tokens:
+            if not req.tokens:
                 n_prefill += end - start
             req.computed = end
-            if end == total:
+            if end == len(req.prompt) + len(req.tokens):
                 sample_rows.append(len(ids) - 1)
                 sampling.append(req)
         stats = self.stats

@@ -1,0 +1,278 @@
+"""An EAGLE-3-style draft head that proposes tokens for speculative decoding of a target `Decoder`.
+
+Input at position t: the target's hidden states after a few chosen layers (`aux_layers`: low, middle, high),
+concatenated and fused by a linear into one hidden vector, together with the embedding of the next token
+t + 1 (the target's embedding table, not trained here). One or more decoder layers of the target's own kind
+(the `Block` of nemo_rz.models.decoder) turn that into the draft's hidden state g_t, and the target's LM head
+reads it to predict token t + 2. To propose further tokens the draft feeds g_t back in place of the target
+features (the target has not seen its guesses yet): step s of a branch rooted at t sits at position t + s - 1
+and attends to the draft's own entries at positions <= t (made from target features) and to its branch's
+earlier steps.
+
+Training runs all s = 1..steps at once for every root (the "training-time test"), with the same attention
+pattern; inference runs the same layers against a KV cache. The draft only proposes: which tokens are kept
+and their logprobs are decided by the target (nemo_rz.generation.speculative), so the draft's arithmetic never
+reaches a recorded logprob.
+
+Target features come from forward hooks on `model.model.layers[i]` (`aux_features`): the learner's RL forward
+and the engine's target passes expose them without a second forward and without changing the target.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nemo_rz import ops
+from nemo_rz.models.config import DecoderConfig
+from nemo_rz.models.decoder import Decoder, KVCache, Tokens
+from nemo_rz.models.layers import Block, Linear, RMSNorm
+
+PREFIX = "draft."  # draft weights travel in the policy's state dict under this prefix
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's choice: a low, a middle and a high layer (1, L/2 - 1, L - 4), clamped to the model."""
+    return tuple(sorted({min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)}))
+
+
+def check_aux_layers(aux_layers, num_layers: int) -> tuple[int, ...]:
+    layers = tuple(int(i) for i in aux_layers)
+    if not layers:
+        raise ValueError("draft.aux_layers is empty: name at least one target layer (or null for the default)")
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"draft.aux_layers = {list(layers)}: layer {bad[0]} is outside the target's layers "
+                         f"0..{num_layers - 1}; choose indices in that range")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"draft.aux_layers = {list(layers)}: a layer is named twice")
+    return layers
+
+
+@contextlib.contextmanager
+def aux_features(model: Decoder, layers: tuple[int, ...]):
+    """Within the block, every forward of `model` appends its tokens' features [N, len(layers) * hidden]
+    (the outputs of those layers, detached) to the yielded list."""
+    outs: dict[int, torch.Tensor] = {}
+    found: list[torch.Tensor] = []
+
+    def keep(i):
+        def hook(_module, _args, out):
+            outs[i] = (out[0] if isinstance(out, tuple) else out).detach()
+            if len(outs) == len(layers):
+                found.append(torch.cat([outs[j] for j in layers], dim=-1))
+                outs.clear()
+        return hook
+
+    handles = [model.model.layers[i].register_forward_hook(keep(i)) for i in layers]
+    try:
+        yield found
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _draft_config(target: DecoderConfig, num_layers: int) -> DecoderConfig:
+    """A plain dense, full-attention layer of the target's width, whatever the target's own layer kinds."""
+    t = target
+    return DecoderConfig(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_layers=num_layers,
+        num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rope_theta=t.rope_theta,
+        rms_norm_eps=t.rms_norm_eps, qk_norm=t.qk_norm, max_position_embeddings=t.max_position_embeddings, dtype=t.dtype,
+    )
+
+
+class DraftHead(nn.Module):
+    def __init__(self, target: DecoderConfig, aux_layers=None, num_layers: int = 1):
+        super().__init__()
+        if num_layers < 1:
+            raise ValueError(f"draft.num_layers = {num_layers}: must be >= 1")
+        self.aux_layers = check_aux_layers(default_aux_layers(target.num_layers) if aux_layers is None else aux_layers,
+                                           target.num_layers)
+        cfg = self.config = _draft_config(target, num_layers)
+        h, dt = cfg.hidden_size, cfg.torch_dtype
+        self.fc = Linear(len(self.aux_layers) * h, h, False, dt)
+        self.embed_norm = RMSNorm(h, cfg.rms_norm_eps, dt)
+        self.feature_norm = RMSNorm(h, cfg.rms_norm_eps, dt)
+        self.combine = Linear(2 * h, h, False, dt)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(num_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dt)
+
+    # -- pieces shared by training and inference -----------------------------------------------------
+    def spec(self) -> dict:
+        """What a saved draft must agree on with the target it serves."""
+        c = self.config
+        return dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, aux_layers=list(self.aux_layers),
+                    num_layers=len(self.layers), num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+
+    def check_target(self, target: Decoder) -> None:
+        t = target.config
+        for name, mine, theirs in (("vocab_size", self.config.vocab_size, t.vocab_size),
+                                   ("hidden_size", self.config.hidden_size, t.hidden_size)):
+            if mine != theirs:
+                raise ValueError(f"draft {name} {mine} does not match the target's {theirs}; "
+                                 "use a draft made for this model (or draft.mode=cotrain for a fresh one)")
+        check_aux_layers(self.aux_layers, t.num_layers)
+
+    def _input(self, target: Decoder, feature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        emb = ops.embedding(tokens, target.model.embed_tokens.weight.detach())
+        return self.combine(torch.cat([self.embed_norm(emb), self.feature_norm(feature)], dim=-1))
+
+    def logits(self, target: Decoder, g: torch.Tensor) -> torch.Tensor:
+        """The target's LM head on the draft's hidden state (the head gets no gradient from the draft)."""
+        head = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+        return ops.linear(self.norm(g), head.detach())
+
+    # -- inference -----------------------------------------------------------------------------------
+    def new_cache(self, num_seqs: int, max_len: int) -> KVCache:
+        c = self.config
+        max_len += (-max_len) % ops.KV_BLOCK
+        shape = (num_seqs, c.num_kv_heads, max_len, c.head_dim)
+        make = lambda: [torch.zeros(shape, dtype=c.torch_dtype) for _ in self.layers]
+        return KVCache(make(), make())
+
+    def step(self, target: Decoder, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             seq_idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Draft hidden states [N, H] for N (feature, next token) rows at `positions`, through `cache`.
+        feature: fused target features (`self.fc(aux)`) or the draft's own previous hidden state."""
+        x = self._input(target, feature, tokens)
+        c = self.config
+        t = Tokens(tokens, positions, seq_idx, cache)
+        t.plans = {None: ops.AttentionPlan(seq_idx, positions, c.num_heads, c.num_kv_heads, None)}
+        t.ropes = {c.rope(0): ops.rope_cos_sin(positions, c.head_dim, *c.rope(0))}
+        t.cache_rows = cache.rows(t)
+        for block in self.layers:
+            x = block(x, t)
+        return x
+
+    # -- training (all steps of every branch at once) ---------------------------------------------------
+    def _layer(self, block: Block, x: torch.Tensor, positions: torch.Tensor, keys: list, values: list) -> torch.Tensor:
+        """One draft layer for one step over a dense [B, T] batch of roots; keys/values hold the earlier steps'
+        entries and get this step's. Step 1 is causal over positions; step s > 1 also sees, for each root, its
+        own steps 2..s (the same pattern the KV cache gives at inference)."""
+        a, c = block.self_attn, self.config
+        b, length, _ = x.shape
+        h = block.input_layernorm(x).reshape(b * length, -1)
+        q = a.q_proj(h).view(-1, c.num_heads, c.head_dim)
+        k = a.k_proj(h).view(-1, c.num_kv_heads, c.head_dim)
+        v = a.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = a.q_norm(q), a.k_norm(k)
+        pos = positions.reshape(-1)
+        q, k = ops.rope(q, pos, c.rope_theta), ops.rope(k, pos, c.rope_theta)
+        group = c.num_heads // c.num_kv_heads
+        shape = lambda t: t.view(b, length, -1, c.head_dim).transpose(1, 2).repeat_interleave(group, dim=1)
+        q = shape(q)
+        keys.append(shape(k))
+        values.append(shape(v))
+        scale = c.head_dim ** -0.5
+        main = (q @ keys[0].transpose(-1, -2)) * scale  # [B, H, T, T]: root t sees step-1 entries 0..t
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        main = main.masked_fill(~causal, float("-inf"))
+        own = [(q * kk).sum(-1, keepdim=True) * scale for kk in keys[1:]]  # [B, H, T, 1] each
+        p = torch.softmax(torch.cat([main, *own], dim=-1).float(), dim=-1).to(q.dtype)
+        out = p[..., :length] @ values[0]
+        for j, vv in enumerate(values[1:]):
+            out = out + p[..., length + j : length + j + 1] * vv
+        out = out.transpose(1, 2).reshape(b * length, c.num_heads * c.head_dim)
+        x = x + a.o_proj(out).view(b, length, -1)
+        return x + block.mlp(block.post_attention_layernorm(x))
+
+    def training_loss(self, target: Decoder, aux: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
+                      steps: int, temperature: float = 1.0, rollout_logprobs: torch.Tensor | None = None):
+        """Mean over steps of the cross-entropy of step s's prediction of token t + s + 1 (where `mask`
+        [B, T-1] marks it as a trained token), the branch fed by its own hidden states.
+
+        Returns (loss, per-step metrics). With `rollout_logprobs` [B, T-1] (the target's logprobs of the same
+        tokens at `temperature`), each step also reports its estimated acceptance rate under rejection
+        sampling, E_{x~p}[min(1, q(x)/p(x))] = sum_x min(p(x), q(x)), with the draft at teacher-forced tokens.
+        """
+        if steps < 1:
+            raise ValueError(f"draft.steps = {steps}: must be >= 1")
+        b, length = input_ids.shape
+        aux = aux.view(b, length, -1)
+        feature = self.fc(aux)
+        keys = [[] for _ in self.layers]
+        values = [[] for _ in self.layers]
+        total, metrics = 0.0, {}
+        for s in range(1, steps + 1):
+            if s >= length - 1:
+                break
+            tokens = F.pad(input_ids[:, s:], (0, s))  # root t reads token t + s (0 past the end: never a target)
+            positions = (torch.arange(length, device=input_ids.device) + s - 1).expand(b, length)
+            x = self._input(target, feature.reshape(b * length, -1), tokens.reshape(-1)).view(b, length, -1)
+            for i, block in enumerate(self.layers):
+                x = self._layer(block, x, positions, keys[i], values[i])
+            feature = x  # the next step reads this step's hidden state
+            # Root t predicts token t + s + 1: mask index t + s.
+            valid = F.pad(mask[:, s:].bool(), (0, s + 1))
+            rows = valid.reshape(-1).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            logits = self.logits(target, x.reshape(b * length, -1).index_select(0, rows)).float()
+            labels = F.pad(input_ids[:, s + 1 :], (0, s + 1)).reshape(-1).index_select(0, rows)
+            loss = F.cross_entropy(logits, labels)
+            total = total + loss
+            metrics[f"draft_loss_{s}"] = float(loss.detach())
+            if rollout_logprobs is not None:
+                with torch.no_grad():
+                    q = torch.log_softmax(logits / temperature, -1).gather(1, labels[:, None]).squeeze(1)
+                    p = F.pad(rollout_logprobs[:, s:], (0, s + 1)).reshape(-1).index_select(0, rows)
+                    metrics[f"draft_accept_{s}"] = float(torch.exp(torch.clamp(q - p, max=0.0)).mean())
+        n = sum(1 for k in metrics if k.startswith("draft_loss_"))
+        if n == 0:
+            return None, metrics
+        return total / n, metrics
+
+
+def expected_tokens_per_pass(accept: list[float]) -> float:
+    """Tokens one verify pass emits on average with per-step acceptance rates accept[0..k-1] (treated as
+    independent): 1 + sum_j prod_{s<=j} accept[s]."""
+    out, run = 1.0, 1.0
+    for a in accept:
+        run *= a
+        out += run
+    return out
+
+
+# -- weights ------------------------------------------------------------------------------------------
+def split_state(state: dict[str, torch.Tensor]) -> tuple[dict, dict | None]:
+    """A policy state dict -> (the target's weights, the draft's weights or None)."""
+    target = {k: v for k, v in state.items() if not k.startswith(PREFIX)}
+    draft = {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX)}
+    return target, (draft or None)
+
+
+def with_draft(state: dict[str, torch.Tensor], draft: DraftHead | None) -> dict[str, torch.Tensor]:
+    if draft is None:
+        return state
+    return {**state, **{PREFIX + k: v.detach().clone() for k, v in draft.state_dict().items()}}
+
+
+def save_draft(draft: DraftHead, path) -> None:
+    torch.save({"spec": draft.spec(), "state_dict": draft.state_dict()}, Path(path))
+
+
+def load_draft(path, target: Decoder) -> DraftHead:
+    """A saved draft for `target`; one-line ValueError when the file is missing or does not fit the target."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"draft.checkpoint = {path}: no such file; save one with nemo_rz.models.draft.save_draft")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        spec, state = saved["spec"], saved["state_dict"]
+    except Exception as e:  # a torch file of something else, or not a torch file
+        raise ValueError(f"draft.checkpoint = {path}: not a saved draft ({type(e).__name__}: {str(e).splitlines()[0][:80]})") from None
+    t = target.config
+    for name in ("vocab_size", "hidden_size"):
+        if spec[name] != getattr(t, name):
+            raise ValueError(f"draft.checkpoint = {path}: the draft's {name} {spec[name]} does not match the target's "
+                             f"{getattr(t, name)}; use a draft trained for this model")
+    draft = DraftHead(t, spec["aux_layers"], spec["num_layers"])
+    if draft.spec() != spec:
+        raise ValueError(f"draft.checkpoint = {path}: its shape {spec} does not fit the target ({draft.spec()})")
+    draft.load_state_dict(state)
+    return draft
