@@ -1,0 +1,61 @@
+"""Put a model's linear layers on a precision recipe: each selected Linear becomes a QuantizedLinear holding the
+same Parameters, so names, state dicts and optimizers see no change.
+
+Which linears `precision.modules` selects, by their place in the model: attention (self_attn's projections),
+mlp (a dense MLP's projections), experts (a mixture-of-experts layer's expert projections), all (all of those).
+The LM head, the embedding and MoE routers stay in the model's dtype, as the FP8 / MXFP4 releases keep them.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from nemo_rz.models.decoder import Linear
+from nemo_rz.quant.linear import Precision, QuantizedLinear
+
+BLOCK_COLS = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}  # the recipes that need in_features divisible by a block
+
+
+ROUTERS = ("gate", "router")  # a MoE layer's router: its logits pick experts, kept in high precision
+
+
+def _kind(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[-1] in ROUTERS:
+        return None
+    if "experts" in parts:
+        return "experts"
+    if "self_attn" in parts:
+        return "attention"
+    if "mlp" in parts:
+        return "mlp"
+    return None  # the LM head
+
+
+def selected(name: str, modules: str) -> bool:
+    """Whether the linear at `name` (its qualified name in the model) runs quantized under `modules`."""
+    kind = _kind(name)
+    return kind is not None and modules in ("all", kind)
+
+
+def apply_precision(model: nn.Module, precision: Precision | dict | None) -> nn.Module:
+    """Replace the selected Linear layers of `model` in place; returns the model. recipe=none changes nothing.
+
+    Refuses, in one line, a selection that matches no layer and a layer whose input width the recipe's block
+    does not divide."""
+    precision = Precision.of(precision)
+    if not precision.enabled:
+        return model
+    swaps = [(parent, child_name, f"{parent_name}.{child_name}".lstrip("."), child)
+             for parent_name, parent in model.named_modules() for child_name, child in parent.named_children()
+             if isinstance(child, Linear)]
+    swaps = [s for s in swaps if selected(s[2], precision.modules)]
+    if not swaps:
+        raise ValueError(f"precision.modules={precision.modules}: the model has no such linear layers "
+                         f"(choose one of all, attention, mlp, experts that it has)")
+    block = BLOCK_COLS.get(precision.recipe)
+    for parent, child_name, name, child in swaps:
+        if block and child.weight.shape[1] % block:
+            raise ValueError(f"precision.recipe={precision.recipe}: {name} has {child.weight.shape[1]} inputs, not a "
+                             f"multiple of the recipe's block of {block}; choose another recipe or precision.modules")
+        setattr(parent, child_name, QuantizedLinear(child.weight, child.bias, precision))
+    return model
