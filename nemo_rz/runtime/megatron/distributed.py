@@ -1,0 +1,69 @@
+"""Process groups for the Megatron learner: torch.distributed (gloo on CPU, NCCL on GPU), Megatron's
+tensor/data-parallel groups, and the two work-arounds megatron-core 0.16 needs to run on CPU.
+
+The rendezvous is a FileStore in a private directory, and gloo/NCCL are told to use the loopback interface, so
+nothing listens on a network interface (the launcher, launch.py, sets the environment for its ranks).
+"""
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.utils import GlobalMemoryBuffer
+
+ENV_STORE = "NEMO_RZ_DIST_STORE"  # the rendezvous file a launcher gives its ranks
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init(tp: int, pp: int, dp: int, seed: int = 0) -> None:
+    """torch.distributed (a single process starts a world of one) and Megatron's groups for tp x pp x dp ranks."""
+    if pp != 1:
+        raise ValueError(f"megatron.pp = {pp}: pipeline parallelism is not supported by the Megatron learner yet; use megatron.pp=1")
+    if not dist.is_initialized():
+        for k, v in LOOPBACK_ENV.items():
+            os.environ.setdefault(k, v)
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        store_path = os.environ.get(ENV_STORE) or os.path.join(tempfile.mkdtemp(prefix="nemo_rz_dist_"), "store")
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(backend(), store=store, rank=rank, world_size=world)
+    world = dist.get_world_size()
+    if tp * pp * dp != world:
+        raise ValueError(f"megatron.tp x megatron.pp x megatron.dp = {tp} x {pp} x {dp} = {tp * pp * dp}, but the job has "
+                         f"{world} process(es); launch with the train CLI, which starts tp x pp x dp processes")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if not torch.cuda.is_available():
+        parallel_state._GLOBAL_MEMORY_BUFFER = CPUMemoryBuffer()
+    # The inference tracker keeps its RNG states on the CPU generator (the default one needs CUDA); dropout is
+    # off in the learner, so no random number is drawn from it.
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+
+
+class CPUMemoryBuffer(GlobalMemoryBuffer):
+    """Megatron's scratch buffer (attention scores), allocated on the CPU instead of the current CUDA device."""
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        needed = functools.reduce(operator.mul, tensor_shape, 1)
+        buf = self.buffer.get((name, dtype))
+        if buf is None or buf.numel() < needed:
+            buf = self.buffer[(name, dtype)] = torch.empty(needed, dtype=dtype)
+        return buf[:needed].view(tensor_shape)
+
+
+def tp_group():
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def dp_group():
+    return parallel_state.get_data_parallel_group()

@@ -1,0 +1,163 @@
+"""Megatron layer-spec modules whose arithmetic is nemo_rz.ops (the consistent kernels), under any TP size.
+
+No partial result is ever added across tensor-parallel ranks. ops.linear computes each output over the whole
+K in one product whose bits depend only on that output's weight row and the input row (measured for every
+shape in the tests), so a layer split by output features computes exactly the outputs that one process would:
+- ColumnLinear (QKV, gate/up, the output layer): the weight split by output rows, as Megatron's column-parallel
+  layers; each rank computes its outputs.
+- RowLinear (attention output, down projection): where Megatron splits the weight by input features and
+  all-reduces partial sums (whose rounding depends on the TP size), this layer gathers its input instead and
+  splits the weight by output rows; each rank computes its outputs over the full K and the outputs are
+  gathered. The traffic is about the same as the all-reduce's (gather M x K, then M x N instead of 2 M x N).
+Attention heads are whole on one rank, norms and activations are row-wise: nothing else crosses ranks.
+Gradients are not TP-invariant (Megatron's all-reduce sums the input gradients); only the forward must be.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from nemo_rz import ops
+from nemo_rz.parallel.tensor import gather_last
+
+
+def _group(group):
+    """The layer's tensor-parallel group: the one Megatron passed, else its default."""
+    if group is not None:
+        return group
+    from megatron.core.parallel_state import get_tensor_model_parallel_group
+
+    return get_tensor_model_parallel_group()
+
+
+def _split(size: int, group, what: str) -> int:
+    world = group.size()
+    if size % world:
+        raise ValueError(f"megatron.tp = {world} does not divide {what} = {size}; choose a tp that divides it")
+    return size // world
+
+
+def _mark(weight: nn.Parameter, dim: int) -> nn.Parameter:
+    """The attributes Megatron reads on a tensor-parallel weight (which dim is split across ranks)."""
+    weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride = True, dim, 1
+    return weight
+
+
+class ColumnLinear(nn.Module):
+    """y[:, outputs of this rank] = ops.linear(x, weight rows of this rank); Megatron's ColumnParallelLinear
+    interface (returns (output, bias))."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, bias: bool = False, gather_output: bool = False,
+                 skip_bias_add: bool = False, skip_weight_param_allocation: bool = False, tp_group=None, **_):
+        super().__init__()
+        self.group, self.gather_output, self.skip_bias_add = _group(tp_group), gather_output, skip_bias_add
+        rows = _split(output_size, self.group, "the layer's output features")
+        dt = config.params_dtype
+        self.weight = None if skip_weight_param_allocation else _mark(nn.Parameter(torch.zeros(rows, input_size, dtype=dt)), 0)
+        self.bias = _mark(nn.Parameter(torch.zeros(rows, dtype=dt)), 0) if bias else None
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None):
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        weight = self.weight if weight is None else weight
+        x = copy_to_tensor_model_parallel_region(x, group=self.group)  # backward: the ranks' input gradients summed
+        y = ops.linear(x, weight, None if self.skip_bias_add else self.bias)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            y = gather_last(y, self.group)
+        return y, (self.bias if self.skip_bias_add else None)
+
+
+class RowLinear(nn.Module):
+    """Megatron's RowParallelLinear interface (input split by features across ranks, output whole on every
+    rank), computed as gather-input, column product, gather-output: no partial sums cross ranks."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, bias: bool = False, skip_bias_add: bool = False,
+                 tp_group=None, **_):
+        super().__init__()
+        self.group, self.skip_bias_add = _group(tp_group), skip_bias_add
+        rows = _split(output_size, self.group, "the layer's output features")
+        dt = config.params_dtype
+        self.weight = _mark(nn.Parameter(torch.zeros(rows, input_size, dtype=dt)), 0)
+        self.bias = _mark(nn.Parameter(torch.zeros(rows, dtype=dt)), 0) if bias else None
+
+    def forward(self, x: torch.Tensor):
+        x = gather_last(x, self.group, grad="sum")
+        y = gather_last(ops.linear(x, self.weight, None if self.skip_bias_add else self.bias), self.group)
+        return y, (gather_last(self.bias, self.group) if self.skip_bias_add and self.bias is not None else None)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+@functools.lru_cache(maxsize=16)
+def _dense(batch: int, length: int, heads: int, kv_heads: int, head_dim: int, theta: float, window, device: str):
+    """Positions, sequence index, RoPE rotation and attention plan of a dense [batch, length] learner batch
+    (reused by every layer and every step of that shape)."""
+    positions = torch.arange(length, device=device).repeat(batch)
+    seq_idx = torch.arange(batch, device=device).repeat_interleave(length)
+    return (positions, seq_idx, ops.rope_cos_sin(positions, head_dim, theta),
+            ops.AttentionPlan(seq_idx, positions, heads, kv_heads, window))
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float, cos_sin) -> torch.Tensor:
+    """ops.rope on Megatron's [s, b, heads, d] layout, computed in the built-in Decoder's token order (b, s)."""
+    s, b, h, d = x.shape
+    flat = x.transpose(0, 1).reshape(b * s, h, d)
+    return ops.rope(flat, positions, theta, cos_sin).view(b, s, h, d).transpose(0, 1)
+
+
+class CoreAttention(nn.Module):
+    """RoPE, then causal GQA attention of this rank's heads (q, k, v in Megatron's [s, b, heads, d] layout).
+
+    Megatron applies RoPE with a table it moves to CUDA, so the model is built without position embeddings
+    and RoPE happens here, through ops.rope, in both kernel modes. Consistent: ops.attention, the Decoder's
+    arithmetic; fast: Megatron's own DotProductAttention (`fast_attention`)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type, softmax_scale=None,
+                 rope_theta: float = 10000.0, window: int | None = None, fast_attention: type | None = None, **kwargs):
+        super().__init__()
+        self.theta, self.window, self.head_dim = rope_theta, window, config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
+        self.fast = None if fast_attention is None else fast_attention(
+            config=config, layer_number=layer_number, attn_mask_type=attn_mask_type, attention_type=attention_type,
+            softmax_scale=softmax_scale, **kwargs)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        s, b, h, d = query.shape
+        hkv = key.shape[2]
+        positions, seq_idx, cos_sin, plan = _dense(b, s, h, hkv, d, self.theta, self.window, str(query.device))
+        query, key = _rope(query, positions, self.theta, cos_sin), _rope(key, positions, self.theta, cos_sin)
+        if self.fast is not None:
+            return self.fast(query, key, value, attention_mask, attn_mask_type=attn_mask_type)
+        q = query.transpose(0, 1).reshape(b * s, h, d)
+        pad = (-s) % ops.KV_BLOCK
+        k_all = nn.functional.pad(key.transpose(0, 1), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+        v_all = nn.functional.pad(value.transpose(0, 1), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+        out = ops.attention(q, k_all, v_all, seq_idx, positions, self.scale, self.window, plan=plan)
+        return out.view(b, s, h * d).transpose(0, 1)
+
+
+class MLP(nn.Module):
+    """SwiGLU: fused gate/up (this rank's gate rows, then its up rows, as Megatron's linear_fc1), silu * up
+    through ops.silu_and_mul, then the down projection."""
+
+    def __init__(self, config, submodules=None, tp_group=None, **_):
+        super().__init__()
+        group = _group(tp_group)
+        self.linear_fc1 = ColumnLinear(config.hidden_size, 2 * config.ffn_hidden_size, config=config, tp_group=group)
+        self.linear_fc2 = RowLinear(config.ffn_hidden_size, config.hidden_size, config=config, tp_group=group)
+
+    def forward(self, x: torch.Tensor, **_):
+        gate_up, _ = self.linear_fc1(x)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.linear_fc2(ops.silu_and_mul(gate, up))
