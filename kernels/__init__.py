@@ -21,6 +21,7 @@ _LAZY = {
     "log_softmax": "logprobs",
     "attention": "attention",
     "KV_BLOCK": "attention",
+    "expert_linear": "moe",
 }
 
 __all__ = sorted([*_LAZY, "window_start", "check_window"])

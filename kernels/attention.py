@@ -10,6 +10,10 @@ exactly. The work for a query depends only on its sequence's cached K/V, its pos
 decode (one query), full prefill, chunked prefill and any batch composition run the same blocks in the
 same order, and paged and contiguous caches differ only in addresses.
 
+Attention sinks (gpt-oss): one logit per query head joins the softmax denominator after the last block
+(the running max and sum rescaled to max(m, sink), plus exp(sink - max)) and adds no value: a fixed step at
+the end of each row, so the rule above is unchanged.
+
 Caches must already hold the K/V of every visible key, including the query's own token.
 """
 
@@ -31,10 +35,10 @@ KV_BLOCK = 32
 
 @triton.jit
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, pos_ptr, start_ptr, bt_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, pos_ptr, start_ptr, bt_ptr, sink_ptr,
     scale, stride_qt, stride_qh, bt_stride, cache_stride0, cache_stride1,
     H: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SINKS: tl.constexpr,
     G_PAD: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK: tl.constexpr, IEEE: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
@@ -84,12 +88,18 @@ def _attention_kernel(
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m = m_new
+    if HAS_SINKS:
+        sink = tl.load(sink_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
     out = acc / l[:, None]
     tl.store(o_ptr + tok * (H * D) + heads[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _check(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table):
+def _check(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table, sinks):
     name = "attention"
     check_tensor(name, "q", q, 3, rows_strided=True)
     check_tensor(name, "k_cache", k_cache, 4)
@@ -115,10 +125,15 @@ def _check(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table):
     if block_table is not None:
         check_tensor(name, "block_table", block_table, 2, INDEX_DTYPES)
         tensors.append(block_table)
+    if sinks is not None:
+        check_tensor(name, "sinks", sinks, 1)
+        if sinks.shape[0] != H:
+            raise ValueError(f"{name}: sinks must hold one logit per query head ([{H}]), got {tuple(sinks.shape)}")
+        tensors.append(sinks)
     check_device(name, tensors)
 
 
-def _attention(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table, kv_block):
+def _attention(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table, kv_block, sinks=None):
     Nq, H, D = q.shape
     Hkv = k_cache.shape[1]
     out = torch.empty((Nq, H, D), dtype=q.dtype, device=q.device)
@@ -129,9 +144,10 @@ def _attention(q, k_cache, v_cache, seq_idx, positions, scale, window, block_tab
     paged = block_table is not None
     _attention_kernel[(Nq, Hkv)](
         q, k_cache, v_cache, out, seq_idx, positions, starts, block_table if paged else positions,
+        sinks if sinks is not None else q,
         float(scale), q.stride(0), q.stride(1), block_table.stride(0) if paged else 0, k_cache.stride(0), k_cache.stride(1),
         H=H, D=D, GROUP=group,
-        HAS_WINDOW=window is not None, PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1,
+        HAS_WINDOW=window is not None, PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1, HAS_SINKS=sinks is not None,
         G_PAD=max(16, next_pow2(group)), BLOCK_D=max(16, next_pow2(D)), KV_BLOCK=kv_block,
         IEEE=q.dtype == torch.float32,
         num_warps=4, num_stages=2,
@@ -141,7 +157,7 @@ def _attention(q, k_cache, v_cache, seq_idx, positions, scale, window, block_tab
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_idx: torch.Tensor,
               positions: torch.Tensor, scale: float, window: Optional[int] = None,
-              block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
+              block_table: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal GQA attention of ``q [Nq, H, D]`` against cached keys/values -> ``[Nq, H, D]`` (q's dtype).
 
     Query i belongs to sequence ``seq_idx[i]`` at position ``positions[i]`` and sees that sequence's keys
@@ -149,10 +165,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     Caches are ``[S, Hkv, L, D]`` (contiguous), or ``[num_blocks, Hkv, block_size, D]`` with
     ``block_table [S, max_blocks]`` mapping key j of sequence s to block ``block_table[s, j // block_size]``,
     slot ``j % block_size``. q needs a contiguous last dim (token/head strides are free); caches must be
-    contiguous. Index values are not range-checked on the host (no device sync).
+    contiguous. Index values are not range-checked on the host (no device sync). ``sinks [H]`` (any float
+    dtype, read as fp32): one logit per query head in each row's softmax denominator, no value (gpt-oss).
     """
-    _check(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table)
-    return _attention(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table, KV_BLOCK)
+    _check(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table, sinks)
+    return _attention(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table, KV_BLOCK, sinks)
 
 
 class _CallableModule(types.ModuleType):

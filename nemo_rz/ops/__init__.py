@@ -5,18 +5,20 @@ padding, decode vs prefill) and a `fast` form (library defaults: the "standard k
 compared against, and every equality test's negative control). Select with `set_mode`, the `mode` context
 manager, or the environment variable NEMO_RZ_KERNELS; `consistent` is the default.
 """
-from nemo_rz.ops.activation import silu_and_mul
+from nemo_rz.ops.activation import clamped_swiglu, gelu_tanh_and_mul, silu_and_mul
 from nemo_rz.ops.aten import batch_invariant
 from nemo_rz.ops.attention import ATTN_TILE_ROWS, KV_BLOCK, AttentionPlan, attention
 from nemo_rz.ops.gemm import forget_weight_copies
 from nemo_rz.ops.linear import embedding, linear
 from nemo_rz.ops.logprobs import log_softmax, probabilities, token_logprobs
 from nemo_rz.ops.mode import MODES, get_mode, mode, set_mode
+from nemo_rz.ops.moe import expert_linear, moe_combine, route_topk, softmax
 from nemo_rz.ops.norm import rms_norm
 from nemo_rz.ops.rope import rope, rope_cos_sin
 from nemo_rz.ops.tiles import TILE_ROWS
 
 __all__ = [
-    "ATTN_TILE_ROWS", "AttentionPlan", "MODES", "KV_BLOCK", "TILE_ROWS", "attention", "batch_invariant", "embedding", "forget_weight_copies", "get_mode", "linear",
-    "log_softmax", "mode", "probabilities", "rms_norm", "rope", "rope_cos_sin", "set_mode", "silu_and_mul", "token_logprobs",
+    "ATTN_TILE_ROWS", "AttentionPlan", "MODES", "KV_BLOCK", "TILE_ROWS", "attention", "batch_invariant", "clamped_swiglu", "embedding",
+    "expert_linear", "forget_weight_copies", "gelu_tanh_and_mul", "get_mode", "linear", "log_softmax", "mode", "moe_combine",
+    "probabilities", "rms_norm", "rope", "rope_cos_sin", "route_topk", "set_mode", "silu_and_mul", "softmax", "token_logprobs",
 ]

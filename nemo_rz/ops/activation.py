@@ -1,5 +1,13 @@
-"""SwiGLU's gate: silu(gate) * up."""
+"""Gated MLP activations act(gate) * up: SwiGLU (silu), GeGLU with tanh-approximated gelu (Gemma), and
+gpt-oss's clamped SwiGLU.
+
+Consistent: float32, and the transcendental part (exp, tanh, sigmoid) runs either through a library kernel
+probed row-invariant on this machine or on whole row tiles (no element falls into a vectorised loop's scalar
+tail, which rounds differently). Clamps, adds and multiplies are correctly rounded wherever they run.
+"""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,24 +21,58 @@ from nemo_rz.ops.verified import by_rows, rowwise_route
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not consistent():
         return F.silu(gate) * up
-    shape, f = gate.shape, gate.shape[-1]
-    g, u = gate.reshape(-1, f), up.reshape(-1, f)
     if on_gpu_kernels(gate):
         from nemo_rz import kernels
 
-        return kernels.silu_and_mul(g, u).reshape(shape)
+        f = gate.shape[-1]
+        return kernels.silu_and_mul(gate.reshape(-1, f), up.reshape(-1, f)).reshape(gate.shape)
+    return _gated("silu", F.silu, gate, up)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up with gelu's tanh approximation (torch's approximate="tanh")."""
+    if not consistent():
+        return _gelu_tanh(gate) * up
+    return _gated("gelu_tanh", _gelu_tanh, gate, up)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g) with g = gate.clamp(max=limit) (gpt-oss)."""
+
+    def act(x: torch.Tensor) -> torch.Tensor:
+        g = x.clamp(max=limit)
+        return g * torch.sigmoid(g * alpha)
+
+    def shift_up(u: torch.Tensor) -> torch.Tensor:
+        return u.clamp(-limit, limit) + 1
+
+    if not consistent():
+        return act(gate) * shift_up(up)
+    return _gated(f"clamped_swiglu({limit!r},{alpha!r})", act, gate, up, shift_up)
+
+
+def _gated(name: str, act: Callable, gate: torch.Tensor, up: torch.Tensor,
+           up_fn: Callable | None = None) -> torch.Tensor:
+    """act(gate) * up_fn(up) in float32, row by row; `name` identifies act (and its constants) for the probe."""
+    shape, f = gate.shape, gate.shape[-1]
+    # A strided gate (half of a fused projection) would take the library's non-vectorised loop: other bits.
+    g, u = gate.reshape(-1, f).contiguous(), up.reshape(-1, f)
     dt = compute_dtype(gate)
     if g.dtype != dt:
         g, u = g.to(dt), u.to(dt)
+    if up_fn is not None:
+        u = up_fn(u)
     rows = g.shape[0]
-    route = rowwise_route("silu", F.silu, f, dt, gate.device)
+    route = rowwise_route(name, act, f, dt, gate.device)
     if route is not None:
-        out = by_rows(F.silu, g, route) * u
-        return (out if out.dtype == gate.dtype else out.to(gate.dtype)).view(shape)
-    # silu's exp runs vectorised over whole SIMD steps only on whole row tiles (no element falls into a
-    # scalar tail loop with different rounding). Contiguous rows that are already whole tiles are used as is.
-    if rows and rows % TILE_ROWS == 0 and g.is_contiguous() and u.is_contiguous():
-        out = F.silu(g) * u
+        out = by_rows(act, g, route) * u
+    elif rows and rows % TILE_ROWS == 0 and g.is_contiguous() and u.is_contiguous():
+        # Contiguous rows that are already whole tiles are used as is.
+        out = act(g) * u
     else:
-        out = from_tiles(F.silu(to_tiles(g)) * to_tiles(u), rows)
+        out = from_tiles(act(to_tiles(g)) * to_tiles(u), rows)
     return (out if out.dtype == gate.dtype else out.to(gate.dtype)).view(shape)

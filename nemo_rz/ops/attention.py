@@ -19,6 +19,10 @@ A block past a row's position adds exact zeros, and nothing depends on the other
 other pairs, so a row gives the same bits in decode, prefill, chunked prefill or after a prefix-cache hit,
 whatever tile or batch it lands in.
 
+Attention sinks (gpt-oss): one learned logit per query head that joins every row's softmax denominator and
+contributes no value. The shift becomes m = max(row max, sink), and exp(sink - m) is added to sum p after the
+blocks (computed on a fixed-width padded tensor, so no element takes a vector loop's scalar tail).
+
 The tile height R and the bookkeeping (tile slots, (tile, block) pairs, masks) are in
 ops/attention_plan.py.
 """
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from nemo_rz.ops.attention_plan import ATTN_TILE_ROWS, KV_BLOCK, AttentionPlan, Padded, Tiled, ones_columns
 from nemo_rz.ops.dispatch import on_gpu_kernels
 from nemo_rz.ops.mode import consistent
+from nemo_rz.ops.tiles import TILE_ROWS
 from nemo_rz.ops.verified import one_thread
 
 __all__ = ["ATTN_TILE_ROWS", "KV_BLOCK", "AttentionPlan", "attention"]
@@ -55,20 +60,26 @@ def attention(
     window: int | None = None,
     block_table: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """plan: an AttentionPlan for (seq_idx, positions) to reuse across layers; None builds one for this call."""
+    """plan: an AttentionPlan for (seq_idx, positions) to reuse across layers (any window); None builds one
+    for this call. sinks: [H] logits (any float dtype, used in float32, differentiable) that join each row's
+    softmax denominator of query head h and are dropped from the output (gpt-oss); None: no sinks."""
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"attention: sinks must hold one logit per query head ([{q.shape[1]}]), got {tuple(sinks.shape)}")
     if q.shape[0] == 0:
         return q
     if on_gpu_kernels(q):
         from nemo_rz import kernels
 
         # The kernel reads caches by raw strides: hand it dense ones (the learner's cache is a transposed view).
-        return kernels.attention(q, k_cache.contiguous(), v_cache.contiguous(), seq_idx, positions, scale, window, block_table)
-    if plan is None or not plan.fits(q, k_cache, seq_idx, positions, window):
-        plan = AttentionPlan(seq_idx, positions, q.shape[1], k_cache.shape[1], window)
+        return kernels.attention(q, k_cache.contiguous(), v_cache.contiguous(), seq_idx, positions, scale, window,
+                                 block_table, sinks=sinks)
+    if plan is None or not plan.fits(q, k_cache, seq_idx, positions):
+        plan = AttentionPlan(seq_idx, positions, q.shape[1], k_cache.shape[1])
     if not consistent():
-        return _attention_fast(q, k_cache, v_cache, scale, block_table, plan.padded)
-    return _attention_tiled(q, k_cache, v_cache, scale, block_table, plan.tiled(q.shape[-1], torch.float32))
+        return _attention_fast(q, k_cache, v_cache, scale, block_table, plan.padded(window), sinks)
+    return _attention_tiled(q, k_cache, v_cache, scale, block_table, plan.tiled(q.shape[-1], torch.float32, window), sinks)
 
 
 def _key_blocks(cache: torch.Tensor, t: Tiled, block_table, paged) -> torch.Tensor:
@@ -101,7 +112,7 @@ def _paged_blocks(cache, seqs, kv_heads, block_start, block_table) -> torch.Tens
     return cache.as_strided((units, KV_BLOCK, dim), (unit, dim, 1), 0).index_select(0, torch.div(start, unit, rounding_mode="floor"))
 
 
-def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: Tiled):
+def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: Tiled, sinks=None):
     n, heads, dim = q.shape
     R = t.R
     n_pairs, real = t.pair_tile.shape[0], t.real  # pairs past `real` pad a one-pair batch
@@ -123,6 +134,10 @@ def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: Tiled):
         s_max = s.amax(-1)
         m = s_max.new_full((t.n_tiles, R), float("-inf"))
         m.scatter_reduce_(0, t.p.tile_index, s_max[:real] if real < n_pairs else s_max, "amax")
+    if sinks is not None:
+        sink = sinks.float().index_select(0, t.slot_head.reshape(-1)).view(t.n_tiles, R)  # [T, R]
+        with torch.no_grad():
+            m = torch.maximum(m, sink)
     # exp of -inf or of very negative numbers (denormal results) is many times slower than of ordinary ones:
     # exp runs on inputs clamped to >= -87 (results stay normal), and hidden keys are then zeroed exactly.
     # A weight below e^-87 ~ 1.6e-38 becomes 1.6e-38: a fixed function of the row, like everything here.
@@ -132,13 +147,19 @@ def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: Tiled):
         pv = torch.bmm(p, F.pad(v, (0, ones_columns(dim)), value=1.0))  # [P, R, D + w]
     # Sum over a tile's blocks in increasing block order (index_add_ adds the pairs one after another).
     acc = pv.new_zeros(t.n_tiles, R, pv.shape[-1]).index_add_(0, t.pair_tile[:real], pv[:real] if real < n_pairs else pv)
-    out_t = acc[..., :dim] / acc[..., dim : dim + 1]
+    total = acc[..., dim : dim + 1]
+    if sinks is not None:
+        # exp over [T, R, TILE_ROWS] (a whole number of SIMD loop steps), of which column 0 is used.
+        shifted = F.pad((sink - m).clamp(min=_EXP_FLOOR).unsqueeze(-1), (0, TILE_ROWS - 1))
+        total = total + torch.exp(shifted)[..., :1]
+    out_t = acc[..., :dim] / total
     out = out_t.reshape(t.n_tiles * R, dim).index_select(0, t.out_rows)[: n * heads].view(n, heads, dim)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def _attention_fast(q, k_cache, v_cache, scale, block_table, p: Padded):
-    """Library attention: one padded SDPA call over the sequences present (the standard kernel)."""
+def _attention_fast(q, k_cache, v_cache, scale, block_table, p: Padded, sinks=None):
+    """Library attention: one padded SDPA call over the sequences present (the standard kernel). Sinks: an
+    extra key of zeros whose score is set to the sink by the additive mask, with a zero value."""
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     lay = p.lay
@@ -156,7 +177,13 @@ def _attention_fast(q, k_cache, v_cache, scale, block_table, p: Padded):
         v = torch.stack([_key_rows(v_cache, seqs, kv_head.new_full((n_seqs,), h), p.key_pos, block_table) for h in range(kv_heads)], 1)
     k = k.repeat_interleave(heads // kv_heads, dim=1)
     v = v.repeat_interleave(heads // kv_heads, dim=1)
-    out = F.scaled_dot_product_attention(qp.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=p.visible, scale=scale)
+    mask = p.visible
+    if sinks is not None:
+        k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))
+        hidden = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        shape = (n_seqs, heads, mask.shape[2])
+        mask = torch.cat([hidden.expand(*shape, -1), sinks.to(q.dtype).view(1, heads, 1, 1).expand(*shape, 1)], -1)
+    out = F.scaled_dot_product_attention(qp.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
     out = out.transpose(1, 2)  # [S, q_len, H, D]
     if lay.single:
         return out.reshape(n, heads, dim)

@@ -109,6 +109,7 @@ class _Layout:
         padded_rows = (tokens + (-tokens) % TILE_ROWS) * heads
         self.out_rows = F.pad(self.row_slot, (0, padded_rows - rows)) if padded_rows > rows else self.row_slot
         self.tile_grp = grp[self.src.view(self.n_tiles, R)[:, 0]]  # a tile's first slot is always a real row
+        self.slot_head = (self.src % heads).view(self.n_tiles, R)  # the query head of each slot (for sinks)
         self.pairs = BoundedCache(4)  # tuple(blocks per tile) -> _Pairs
 
 
@@ -150,6 +151,7 @@ class Tiled:
         lay = _layout(seq_idx, heads, kv_heads, rows)
         T = lay.n_tiles
         self.R, self.n_tiles, self.out_rows, self._kv_heads = rows, T, lay.out_rows, kv_heads
+        self.slot_head = lay.slot_head
         pos_t = positions.new_zeros(T * rows, dtype=torch.long)
         pos_t = pos_t.index_copy_(0, lay.slot, positions.long().index_select(0, lay.token_of_sorted)).view(T, rows)
         tile_last = pos_t.amax(1)
@@ -219,28 +221,31 @@ class Padded:
 
 
 class AttentionPlan:
-    """Bookkeeping for one forward's attention calls, computed on first use and shared by all layers."""
+    """Bookkeeping for one forward's attention calls, computed on first use and shared by all layers. The
+    masks depend on each call's window and are kept per window, so sliding-window and full layers share one
+    plan. (The `window` argument is accepted for older callers and not used: every call names its window.)"""
 
     def __init__(self, seq_idx: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, window: int | None = None):
         self.seq_idx, self.positions = seq_idx, positions
-        self.heads, self.kv_heads, self.window = heads, kv_heads, window
-        self._tiled = self._padded = None
+        self.heads, self.kv_heads = heads, kv_heads
+        self._tiled, self._padded = {}, {}
 
-    def fits(self, q, k_cache, seq_idx, positions, window) -> bool:
-        return (seq_idx is self.seq_idx and positions is self.positions and window == self.window
+    def fits(self, q, k_cache, seq_idx, positions) -> bool:
+        """Is this the plan for these tokens and head counts?"""
+        return (seq_idx is self.seq_idx and positions is self.positions
                 and q.shape[1] == self.heads and k_cache.shape[1] == self.kv_heads)
 
-    def tiled(self, head_dim: int, dtype: torch.dtype) -> Tiled:
-        if self._tiled is None:
+    def tiled(self, head_dim: int, dtype: torch.dtype, window: int | None) -> Tiled:
+        key = (window, head_dim, dtype)
+        if key not in self._tiled:
             rows = tile_rows(self.seq_idx, self.heads, self.kv_heads, head_dim, dtype)
-            self._tiled = Tiled(self.seq_idx, self.positions, self.heads, self.kv_heads, self.window, rows)
-        return self._tiled
+            self._tiled[key] = Tiled(self.seq_idx, self.positions, self.heads, self.kv_heads, window, rows)
+        return self._tiled[key]
 
-    @property
-    def padded(self) -> Padded:
-        if self._padded is None:
-            self._padded = Padded(self.seq_idx, self.positions, self.window)
-        return self._padded
+    def padded(self, window: int | None) -> Padded:
+        if window not in self._padded:
+            self._padded[window] = Padded(self.seq_idx, self.positions, window)
+        return self._padded[window]
 
 
 # Kept across forwards: sequence layouts (decode steps repeat them), and per-device/shape constants.
