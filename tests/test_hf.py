@@ -133,8 +133,8 @@ def test_config_from_hf_legacy_format_and_defaults():
     assert config_from_hf(legacy, dtype="float32").dtype == "float32"
     # Qwen3: transformers' Qwen3Config defaults head_dim to 128, not hidden_size // heads.
     assert config_from_hf(dict(legacy, architectures=None, model_type="qwen3")).head_dim == 128
-    with pytest.raises(ModelFileError, match="o_proj bias"):
-        config_from_hf(dict(legacy, attention_bias=True))
+    biased = config_from_hf(dict(legacy, attention_bias=True))  # Llama's attention_bias: q/k/v and o_proj biases
+    assert (biased.attention_bias, biased.o_proj_bias) == (True, True)
     with pytest.raises(ModelFileError, match="num_attention_heads=4 is not a multiple of num_key_value_heads=3"):
         config_from_hf(dict(legacy, num_key_value_heads=3))
 
@@ -166,12 +166,14 @@ def test_save_hf_round_trip(architecture, overrides, tmp_path):
 
 
 def test_hf_config_refuses_what_the_architecture_cannot_express():
-    with pytest.raises(ValueError, match="Qwen2ForCausalLM"):
+    with pytest.raises(ValueError, match="qk_norm=False.*save it as Qwen2ForCausalLM"):
         hf_config(DecoderConfig(qk_norm=False, attention_bias=True), "Qwen3ForCausalLM")
-    with pytest.raises(ValueError, match="Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="qk_norm=True.*save it as Qwen3ForCausalLM"):
         hf_config(DecoderConfig(), "MistralForCausalLM")
-    with pytest.raises(ValueError, match="LlamaForCausalLM cannot express"):
+    with pytest.raises(ValueError, match="LlamaForCausalLM cannot express.*MistralForCausalLM"):
         hf_config(DecoderConfig(qk_norm=False, sliding_window=8), "LlamaForCausalLM")
+    with pytest.raises(ValueError, match="unsupported architecture 'PhiForCausalLM'"):
+        hf_config(DecoderConfig(), "PhiForCausalLM")
 
 
 # -- clear errors ------------------------------------------------------------------------------------------
@@ -210,20 +212,25 @@ BREAKAGES = {
     "missing config.json": (lambda p: (p / "config.json").unlink(), ["no config.json"]),
     "unparsable config.json": (lambda p: (p / "config.json").write_text('{"vocab_size": 64,'), ["cannot parse", "line 1"]),
     "unsupported architecture": (
-        lambda p: _edit_config(p, architectures=["MistralForCausalLM"]),
-        ["'MistralForCausalLM'", "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM"],
+        lambda p: _edit_config(p, architectures=["PhiForCausalLM"]),
+        ["'PhiForCausalLM'", "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM"],
     ),
     "missing key": (lambda p: _edit_config(p, hidden_size=None), ["'hidden_size'"]),
     "rope scaling": (
-        lambda p: _edit_config(p, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-        ["'yarn'", "rope"],
+        lambda p: _edit_config(p, rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}),
+        ["'longrope'", "default, linear, llama3, yarn"],
     ),
     "legacy rope scaling": (
-        lambda p: _edit_config(p, rope_scaling={"type": "linear", "factor": 2.0}), ["'linear'"]
+        lambda p: _edit_config(p, rope_scaling={"type": "dynamic", "factor": 2.0}), ["'dynamic'"]
     ),
-    "mixed sliding layers": (
-        lambda p: _edit_config(p, use_sliding_window=True, sliding_window=8, layer_types=None, max_window_layers=1),
-        ["mixes sliding-window"],
+    "rope scaling without its keys": (
+        lambda p: _edit_config(p, rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4,
+                                                   "low_freq_factor": 4.0, "high_freq_factor": 1.0}),
+        ["high_freq_factor"],
+    ),
+    "different sliding layers": (
+        lambda p: _edit_config(p, use_sliding_window=True, sliding_window=8, layer_types=["full_attention"]),
+        ["'layer_types'", "one of full_attention, sliding_attention per layer (2)"],
     ),
     "missing safetensors": (lambda p: (p / "model.safetensors").rename(p / "pytorch_model.bin"),
                             ["no model.safetensors", "pytorch_model.bin"]),

@@ -1,9 +1,13 @@
-"""Hugging Face checkpoint I/O: Qwen3 / Qwen2 / Llama directories <-> Decoder (and .gguf files -> Decoder).
-The config.json translation is in models/hf_config.py; this module reads and writes the tensors.
+"""Hugging Face checkpoint I/O: directories of the supported families (models/hf_config.py: Qwen3, Qwen2, Llama,
+Mistral, Qwen3-MoE, gpt-oss, Gemma 3) <-> Decoder (and .gguf files -> Decoder). The config.json translation is in
+models/hf_config.py; this module reads and writes the tensors.
 
 A checkpoint directory holds config.json plus model.safetensors (or model.safetensors.index.json and its
 shards). Decoder's parameter names already follow the Hugging Face layout, so loading is a check (names,
-shapes, finiteness) and a copy; no renaming.
+shapes, finiteness) and a copy. One exception: Qwen3-MoE experts are stacked in memory (transformers v5's
+`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) while the hub and transformers'
+save_pretrained store one tensor per expert (`mlp.experts.{e}.gate_proj.weight`...): both layouts load, and
+saves write the per-expert one.
 
 Only json, safetensors and torch are used here: importing nemo_rz.models never imports transformers.
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -88,6 +93,64 @@ def _ignored(name: str, cfg: DecoderConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
+# -- Qwen3-MoE experts: stacked in memory, one tensor per expert in files -------------------------------------
+_STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+_PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _per_expert_shapes(shapes: dict[str, tuple], cfg: DecoderConfig) -> dict[str, tuple]:
+    """The file names and shapes of the per-expert layout for a model's parameter shapes."""
+    if not cfg.num_experts or cfg.moe_kind != "qwen3":
+        return shapes
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith(_STACKED[0]):
+            base, (e, two_i, h) = name[: -len("gate_up_proj")], shape
+            for x in range(e):
+                out[f"{base}{x}.gate_proj.weight"] = out[f"{base}{x}.up_proj.weight"] = (two_i // 2, h)
+        elif name.endswith(_STACKED[1]):
+            base, (e, h, i) = name[: -len("down_proj")], shape
+            for x in range(e):
+                out[f"{base}{x}.down_proj.weight"] = (h, i)
+        else:
+            out[name] = shape
+    return out
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors -> the model's stacked parameters (gate rows, then up rows)."""
+    out = {name: t for name, t in tensors.items() if not _PER_EXPERT.search(name)}
+    for name, shape in shapes.items():
+        if name.endswith(_STACKED[0]):
+            base = name[: -len("gate_up_proj")]
+            out[name] = torch.stack([torch.cat([tensors.pop(f"{base}{x}.gate_proj.weight"), tensors.pop(f"{base}{x}.up_proj.weight")])
+                                     for x in range(shape[0])])
+        elif name.endswith(_STACKED[1]):
+            base = name[: -len("down_proj")]
+            out[name] = torch.stack([tensors.pop(f"{base}{x}.down_proj.weight") for x in range(shape[0])])
+    return out
+
+
+def _unstack_experts(tensors: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    """The model's stacked Qwen3-MoE experts -> one tensor per expert, as transformers saves them."""
+    if not cfg.num_experts or cfg.moe_kind != "qwen3":
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(_STACKED[0]):
+            base, i = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for x in range(t.shape[0]):
+                out[f"{base}{x}.gate_proj.weight"] = t[x, :i].contiguous()
+                out[f"{base}{x}.up_proj.weight"] = t[x, i:].contiguous()
+        elif name.endswith(_STACKED[1]):
+            base = name[: -len("down_proj")]
+            for x in range(t.shape[0]):
+                out[f"{base}{x}.down_proj.weight"] = t[x].contiguous()
+        else:
+            out[name] = t
+    return out
+
+
 def _open(file: Path):
     try:
         return safe_open(str(file), framework="pt")
@@ -99,7 +162,12 @@ def _open(file: Path):
 
 def _load_tensors(files: list[Path], model: Decoder, arch: str) -> dict[str, torch.Tensor]:
     cfg = model.config
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    per_expert = False
+    for file in files:
+        with _open(file) as f:
+            per_expert = per_expert or any(_PER_EXPERT.search(name) for name in f.keys())
+    expected = _per_expert_shapes(shapes, cfg) if per_expert else shapes
     where = files[0] if len(files) == 1 else f"{files[0].parent} ({len(files)} shards)"
     located: dict[str, Path] = {}
     bad_shape, bad_type = [], []
@@ -152,12 +220,12 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str) -> dict[str, tor
             f"non-finite values (NaN/Inf) in {len(nonfinite)} tensor(s) in {where}: {_names(nonfinite)}; the "
             "checkpoint is corrupt or from a diverged run — use an earlier checkpoint"
         )
-    return out
+    return _stack_experts(out, shapes) if per_expert else out
 
 
 def load_hf(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Decoder:
-    """A Decoder (eval mode, on CPU) with the weights of a Hugging Face Qwen3 / Qwen2 / Llama checkpoint directory
-    or a .gguf file of these families (dequantized through transformers: nemo_rz.models.gguf).
+    """A Decoder (eval mode, on CPU) with the weights of a Hugging Face checkpoint directory of a supported family
+    (models/hf_config.py) or a .gguf file of the dense families (dequantized through transformers: nemo_rz.models.gguf).
 
     dtype: "float32" / "bfloat16" (or the torch dtypes); None keeps the checkpoint's dtype when it is one of
     these and uses float32 otherwise.
@@ -208,8 +276,9 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def save_hf(model: Decoder, path: str | os.PathLike, architecture: str = "Qwen3ForCausalLM") -> Path:
-    """Write `model` as a Hugging Face checkpoint directory (config.json + model.safetensors) at `path`.
+def save_hf(model: Decoder, path: str | os.PathLike, architecture: str | None = None) -> Path:
+    """Write `model` as a Hugging Face checkpoint directory (config.json + model.safetensors) at `path`, as
+    `architecture` (None: the model's natural one, hf_config.architecture_for).
 
     The checkpoint is written to a temporary directory beside `path` and renamed into place, so a failure at
     any point leaves an existing checkpoint at `path` untouched. Other files in an existing directory (tokenizer,
@@ -221,7 +290,7 @@ def save_hf(model: Decoder, path: str | os.PathLike, architecture: str = "Qwen3F
     config = hf_config(model.config, architecture)
     if target.exists() and not target.is_dir():
         raise ModelFileError(f"{target} exists and is a file; pass a directory path for the checkpoint")
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    tensors = _unstack_experts({name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}, model.config)
     with atomic.new_dir(target) as tmp:
         if target.is_dir():
             for entry in target.iterdir():

@@ -1,30 +1,52 @@
-"""Hugging Face config.json <-> DecoderConfig, for the Qwen3 / Qwen2 / Llama families.
+"""Hugging Face config.json <-> DecoderConfig, for the families nemo_rz loads: Qwen3, Qwen2, Llama, Mistral,
+Qwen3-MoE, gpt-oss and Gemma 3 (text).
 
-config_from_hf checks every key it reads (types, ranges, the architecture) and fills in transformers'
-per-class defaults for keys a file may omit; hf_config writes the keys transformers needs to load the same model.
-Every problem raises ModelFileError (a ValueError) with one line: what is wrong, in which file, what to do.
+config_from_hf checks every key it reads (types, ranges, the architecture), fills in transformers' per-class
+defaults for keys a file may omit, and refuses values nemo_rz does not implement; hf_config writes the keys
+transformers needs to load the same model (and refuses a model the architecture cannot express, by reading its
+own output back). Every problem raises ModelFileError (a ValueError) with one line: what is wrong, in which
+file, what to do.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from nemo_rz.models.config import DTYPES, DecoderConfig
+from nemo_rz.models.config import DTYPES, LAYER_TYPES, DecoderConfig
+from nemo_rz.ops.rope import ROPE_TYPES
 
 CONFIG_FILE = "config.json"
 
-# architecture -> (model_type, qk_norm, q/k/v bias fixed by the architecture (None: read `attention_bias`))
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    model_type: str
+    qk_norm: bool
+    bias: str  # "qkv": q/k/v biases always (Qwen2); "config": attention_bias sets q/k/v/o; "none"
+    max_positions: int  # transformers' default max_position_embeddings
+    head_dim: int | None = None  # transformers' default head_dim (None: hidden_size // heads)
+    windows: str = "none"  # which layers slide: see _layer_windows
+    rms_norm_eps: float = 1e-6
+    tie: bool = False  # default tie_word_embeddings
+    theta: float = 10000.0  # default rope_theta
+
+
 ARCHITECTURES = {
-    "Qwen3ForCausalLM": ("qwen3", True, None),
-    "Qwen2ForCausalLM": ("qwen2", False, True),
-    "LlamaForCausalLM": ("llama", False, None),
+    "Qwen3ForCausalLM": Family("qwen3", True, "config", 32768, 128, "qwen"),
+    "Qwen2ForCausalLM": Family("qwen2", False, "qkv", 32768, None, "qwen"),
+    "LlamaForCausalLM": Family("llama", False, "config", 2048),
+    "MistralForCausalLM": Family("mistral", False, "none", 4096 * 32, None, "all"),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", True, "config", 32768, None, "all_if_used"),
+    "GptOssForCausalLM": Family("gpt_oss", False, "config", 131072, 64, "layer_types", 1e-5, False, 150000.0),
+    "Gemma3ForCausalLM": Family("gemma3_text", True, "config", 131072, 256, "layer_types", 1e-6, True, 1e6),
 }
 SUPPORTED = ", ".join(ARCHITECTURES)
-_BY_MODEL_TYPE = {model_type: arch for arch, (model_type, _, _) in ARCHITECTURES.items()}
-# transformers' per-class defaults for keys a config.json may omit
-_DEFAULT_MAX_POSITIONS = {"qwen3": 32768, "qwen2": 32768, "llama": 2048}
+_BY_MODEL_TYPE = {f.model_type: arch for arch, f in ARCHITECTURES.items()}
 _DEFAULT_MAX_WINDOW_LAYERS = 28
+_GPT_OSS_SWIGLU_ALPHA = 1.702
+_GEMMA_LOCAL_THETA = 10000.0
 
 
 class ModelFileError(ValueError):
@@ -58,18 +80,20 @@ def architecture_of(d: dict, source: str) -> str:
     return arch
 
 
-def _int(d: dict, key: str, source: str, default=None, required: bool = False) -> int | None:
+# -- typed reads -------------------------------------------------------------------------------------------
+def _int(d: dict, key: str, source: str, default=None, required: bool = False, minimum: int = 1) -> int | None:
     value = d.get(key)
     if value is None:
         if required:
-            raise ModelFileError(f"{source} has no {key!r}: a Qwen3/Qwen2/Llama config needs it; fix config.json")
+            raise ModelFileError(f"{source} has no {key!r}: the model needs it; fix config.json")
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ModelFileError(f"{key!r} in {source} is {value!r}: expected a positive integer; fix config.json")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ModelFileError(f"{key!r} in {source} is {value!r}: expected {what}; fix config.json")
     return value
 
 
-def _float(d: dict, key: str, source: str, default: float) -> float:
+def _float(d: dict, key: str, source: str, default: float | None) -> float | None:
     value = d.get(key)
     if value is None:
         return default
@@ -78,63 +102,211 @@ def _float(d: dict, key: str, source: str, default: float) -> float:
     return float(value)
 
 
-def _rope_theta(d: dict, source: str) -> float:
-    """rope_theta wherever transformers puts it: rope_parameters (v5), rope_scaling (legacy) or the top level."""
-    params = d.get("rope_scaling") or d.get("rope_parameters") or {}  # transformers: rope_scaling wins
-    where = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
-    if not isinstance(params, dict):
-        raise ModelFileError(f"{where!r} in {source} is {params!r}: expected an object or null; fix config.json")
-    nested = [v for v in params.values() if isinstance(v, dict)]
-    if nested:  # one entry per layer type
-        if any(v != nested[0] for v in nested) or len(nested) != len(params):
-            raise ModelFileError(
-                f"{where!r} in {source} sets different RoPE per layer type: nemo_rz uses one RoPE for all layers; "
-                "use a checkpoint with a single rope_parameters entry"
-            )
-        params = nested[0]
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in (None, "default"):
+def _bool(d: dict, key: str, source: str, default: bool) -> bool:
+    value = d.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ModelFileError(f"{key!r} in {source} is {value!r}: expected true or false; fix config.json")
+    return value
+
+
+def _refuse_set(d: dict, source: str, key: str, why: str) -> None:
+    if d.get(key) not in (None, False):
+        raise ModelFileError(f"{key}={d[key]!r} in {source} is not supported: {why}; use a checkpoint without it")
+
+
+# -- RoPE ----------------------------------------------------------------------------------------------------
+_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
+             "mscale_all_dim", "truncate"),
+}
+
+
+def _one_rope(p: dict, d: dict, source: str, where: str, default_theta: float) -> tuple[float, dict | None]:
+    """(theta, rope_scaling dict or None) for one rope_parameters entry, as transformers reads it."""
+    if not isinstance(p, dict):
+        raise ModelFileError(f"{where!r} in {source} is {p!r}: expected an object; fix config.json")
+    rope_type = p.get("rope_type", p.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
         raise ModelFileError(
-            f"RoPE scaling type {rope_type!r} in {source} ({where}) is not supported: nemo_rz implements plain RoPE "
-            "only (rope_type 'default'); use a checkpoint without rope scaling"
+            f"RoPE scaling type {rope_type!r} in {source} ({where}) is not supported: nemo_rz implements "
+            f"{', '.join(ROPE_TYPES)}; use a checkpoint with one of these"
         )
-    factor = params.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    factor = p.get("partial_rotary_factor", d.get("partial_rotary_factor"))
     if factor not in (None, 1, 1.0):
         raise ModelFileError(
             f"partial_rotary_factor={factor!r} in {source} is not supported: nemo_rz rotates the whole head; "
             "use a checkpoint with full rotary embeddings"
         )
-    theta = params.get("rope_theta", d.get("rope_theta"))
-    return _float({"rope_theta": theta}, "rope_theta", source, 10000.0)
+    theta = _float({"rope_theta": p.get("rope_theta", d.get("rope_theta"))}, "rope_theta", source, default_theta)
+    if rope_type == "default":
+        return theta, None
+    scaling: dict = {"rope_type": rope_type}
+    for key in _SCALING_KEYS[rope_type]:
+        if p.get(key) is not None:
+            scaling[key] = p[key]
+    if rope_type in ("llama3", "yarn"):
+        # transformers: a top-level original_max_position_embeddings wins, else max_position_embeddings
+        original = d.get("original_max_position_embeddings") or p.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = original or d.get("max_position_embeddings")
+    if rope_type == "yarn":
+        if scaling.get("factor") is None and scaling["original_max_position_embeddings"]:
+            scaling["factor"] = d.get("max_position_embeddings", 0) / scaling["original_max_position_embeddings"]
+        for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+            scaling[key] = scaling.get(key) or default  # as transformers: 0 or null means the default
+    try:
+        from nemo_rz.ops.rope import RopeScaling
+
+        RopeScaling(**scaling)
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(f"RoPE parameters in {source} ({where}): {e}; fix config.json") from None
+    return theta, scaling
 
 
-def _sliding_window(d: dict, model_type: str, num_layers: int, source: str) -> int | None:
-    if model_type == "llama" or not d.get("use_sliding_window"):
-        return None
-    window = _int(d, "sliding_window", source)
-    if window is None:
-        return None
-    layer_types = d.get("layer_types")
-    if layer_types is None:
-        first = d.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS)
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+def _rope(d: dict, source: str, fam: Family, model_type: str) -> tuple[float, dict | None, float | None]:
+    """(theta, scaling, sliding layers' theta or None) wherever transformers puts them: rope_parameters (v5),
+    rope_scaling (legacy; it wins) or the top level, one entry or one per layer type."""
+    params = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    where = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+    if not isinstance(params, dict):
+        raise ModelFileError(f"{where!r} in {source} is {params!r}: expected an object or null; fix config.json")
+    nested = {k: v for k, v in params.items() if k in LAYER_TYPES}
+    if not nested:
+        theta, scaling = _one_rope(params, d, source, where, fam.theta)
+        if model_type == "gemma3_text":  # legacy Gemma 3: the scaling is the full layers', rope_local_base_freq the rest
+            return theta, scaling, _float(d, "rope_local_base_freq", source, _GEMMA_LOCAL_THETA)
+        return theta, scaling, None
+    if len(nested) != len(params):
         raise ModelFileError(
-            f"'layer_types' in {source} is {layer_types!r}: expected one entry per layer ({num_layers}); fix config.json"
+            f"{where!r} in {source} mixes per-layer-type entries with other keys; use one form; fix config.json"
         )
-    kinds = set(layer_types)
-    if kinds == {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"}:
-        return window
-    raise ModelFileError(
-        f"{source} mixes sliding-window and full-attention layers (layer_types / max_window_layers): nemo_rz's "
-        "decoder uses one attention window for all layers; set use_sliding_window=false or max_window_layers=0"
-    )
+    local_default = _GEMMA_LOCAL_THETA if model_type == "gemma3_text" else fam.theta
+    theta, scaling = _one_rope(nested.get("full_attention") or {}, d, source, f"{where}.full_attention", fam.theta)
+    local, local_scaling = _one_rope(nested.get("sliding_attention") or {}, d, source, f"{where}.sliding_attention", local_default)
+    if local_scaling is not None:
+        if (local, local_scaling) != (theta, scaling):
+            raise ModelFileError(
+                f"{where!r} in {source} scales the sliding layers' RoPE differently from the full layers': nemo_rz "
+                "supports plain RoPE (its own theta) on sliding layers; use a checkpoint without it"
+            )
+        return theta, scaling, None
+    return theta, scaling, local
+
+
+# -- per-layer structure -------------------------------------------------------------------------------------
+def _layer_types(d: dict, source: str, layers: int, default: list[str]) -> list[str]:
+    types = d.get("layer_types")
+    if types is None:
+        return default
+    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        raise ModelFileError(
+            f"'layer_types' in {source} is {types!r}: expected one of {', '.join(LAYER_TYPES)} per layer ({layers}); "
+            "fix config.json"
+        )
+    return types
+
+
+def _layer_windows(d: dict, source: str, fam: Family, layers: int) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) in DecoderConfig's form (layer_types None when all layers are alike)."""
+    full = ["full_attention"] * layers
+    if fam.windows == "none":
+        types = full
+    elif fam.windows == "all":  # Mistral: every layer slides when sliding_window is set
+        types = full if d.get("sliding_window") is None else ["sliding_attention"] * layers
+    elif fam.windows == "all_if_used":  # Qwen3-MoE
+        types = ["sliding_attention"] * layers if d.get("use_sliding_window") else full
+    elif fam.windows == "qwen":  # Qwen2/Qwen3: layer_types, or the layers from max_window_layers on
+        if not d.get("use_sliding_window") or d.get("sliding_window") is None:
+            types = full
+        else:
+            first = _int(d, "max_window_layers", source, _DEFAULT_MAX_WINDOW_LAYERS, minimum=0)
+            types = _layer_types(d, source, layers, ["sliding_attention" if i >= first else "full_attention" for i in range(layers)])
+    else:  # gpt-oss, Gemma 3: layer_types, or their default pattern
+        pattern = 2 if fam.model_type == "gpt_oss" else _int(d, "sliding_window_pattern", source, None) or _int(d, "_sliding_window_pattern", source, 6)
+        types = _layer_types(d, source, layers, ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)])
+    if "sliding_attention" not in types:
+        return None, None
+    window = _int(d, "sliding_window", source, 4096 if fam.model_type == "gemma3_text" else 128 if fam.model_type == "gpt_oss" else None)
+    if window is None:
+        raise ModelFileError(f"{source} has sliding-window layers but no 'sliding_window'; fix config.json")
+    return window, None if all(t == "sliding_attention" for t in types) else types
+
+
+def _moe(d: dict, source: str, fam: Family, layers: int) -> dict:
+    """The DecoderConfig mixture-of-experts keys of a Qwen3-MoE or gpt-oss config (empty for dense families)."""
+    if fam.model_type == "qwen3_moe":
+        experts = d.get("num_experts", d.get("num_local_experts"))  # the hub's name, and some saves' name
+        experts = _int({"num_experts": experts}, "num_experts", source, 128, minimum=0)
+        step = _int(d, "decoder_sparse_step", source, 1)
+        dense = d.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+            raise ModelFileError(f"'mlp_only_layers' in {source} is {dense!r}: expected a list of layer indices; fix config.json")
+        moe_layers = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+        out = dict(num_experts=experts, moe_kind="qwen3", num_experts_per_tok=_int(d, "num_experts_per_tok", source, 8),
+                   moe_intermediate_size=_int(d, "moe_intermediate_size", source, 768),
+                   norm_topk_prob=_bool(d, "norm_topk_prob", source, False))
+    elif fam.model_type == "gpt_oss":
+        alpha = d.get("swiglu_alpha", _GPT_OSS_SWIGLU_ALPHA)
+        if alpha != _GPT_OSS_SWIGLU_ALPHA:
+            raise ModelFileError(
+                f"swiglu_alpha={alpha!r} in {source} is not supported: gpt-oss experts use {_GPT_OSS_SWIGLU_ALPHA}; "
+                "use a gpt-oss checkpoint"
+            )
+        moe_layers = list(range(layers))
+        out = dict(num_experts=_int(d, "num_local_experts", source, 128), moe_kind="gpt_oss",
+                   num_experts_per_tok=_int(d, "num_experts_per_tok", source, 4),
+                   moe_intermediate_size=_int(d, "intermediate_size", source, 2880),
+                   swiglu_limit=_float(d, "swiglu_limit", source, 7.0))
+    else:
+        return {}
+    if out["num_experts"] == 0 or not moe_layers:
+        return dict(num_experts=0)
+    if out["num_experts_per_tok"] > out["num_experts"]:
+        raise ModelFileError(
+            f"num_experts_per_tok={out['num_experts_per_tok']} in {source} is more than the {out['num_experts']} experts; "
+            "fix config.json"
+        )
+    out["moe_layers"] = None if len(moe_layers) == layers else moe_layers
+    return out
+
+
+def _family_keys(d: dict, source: str, fam: Family, arch: str) -> dict:
+    """The DecoderConfig keys that only some families set (norm, activation, sinks, Gemma's scalars)."""
+    if d.get("mlp_bias"):
+        raise ModelFileError(f"mlp_bias=true in {source} is not supported: nemo_rz's MLP has no biases")
+    if fam.model_type == "gemma3_text":
+        act = d.get("hidden_activation", d.get("hidden_act")) or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise ModelFileError(f"hidden_activation={act!r} in {source} is not supported: Gemma 3 uses gelu_pytorch_tanh")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            _refuse_set(d, source, key, "nemo_rz does not implement logit soft-capping")
+        _refuse_set(d, source, "use_bidirectional_attention", "nemo_rz's decoder is causal")
+        return dict(norm="gemma", sandwich_norm=True, hidden_act="gelu_tanh", embed_scale=True,
+                    query_pre_attn_scalar=_float(d, "query_pre_attn_scalar", source, 256.0))
+    if fam.model_type != "gpt_oss":  # gpt-oss experts ignore hidden_act
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ModelFileError(f"hidden_act={act!r} in {source} is not supported: {arch}'s MLP is SwiGLU (silu) in nemo_rz")
+        return {}
+    return dict(norm="rms_f32", attention_sinks=True)
+
+
+def _dtype(d: dict, dtype) -> str:
+    if dtype is None:
+        saved = d.get("dtype", d.get("torch_dtype"))
+        return saved if saved in DTYPES else "float32"
+    names = {v: k for k, v in DTYPES.items()}
+    dtype = names.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: nemo_rz models run in {', '.join(DTYPES)}; pass one of these")
+    return dtype
 
 
 def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype | None = None) -> DecoderConfig:
-    """DecoderConfig for a Hugging Face config.json dict (Qwen3 / Qwen2 / Llama causal LMs).
+    """DecoderConfig for a Hugging Face config.json dict of a supported causal LM (SUPPORTED).
 
     `source` names the file in error messages; `dtype` overrides the checkpoint's dtype (float32 or bfloat16;
     a float16 or unknown checkpoint dtype loads as float32).
@@ -142,28 +314,18 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
     if not isinstance(d, dict):
         raise ModelFileError(f"{source} holds a {type(d).__name__}, not a JSON object; fix or re-download config.json")
     arch = architecture_of(d, source)
-    model_type, qk_norm, fixed_bias = ARCHITECTURES[arch]
+    fam = ARCHITECTURES[arch]
     if d.get("quantization_config"):
         raise ModelFileError(
             f"{source} describes a quantized checkpoint: nemo_rz loads unquantized float weights; "
             "use the float32/bfloat16 release of the model"
         )
-    act = d.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ModelFileError(f"hidden_act={act!r} in {source} is not supported: nemo_rz's MLP is SwiGLU (silu)")
-    if d.get("mlp_bias"):
-        raise ModelFileError(f"mlp_bias=true in {source} is not supported: nemo_rz's MLP has no biases")
-    attention_bias = fixed_bias if fixed_bias is not None else bool(d.get("attention_bias", False))
-    if fixed_bias is None and attention_bias:
-        raise ModelFileError(
-            f"attention_bias=true in {source} is not supported for {arch}: it adds an o_proj bias, which nemo_rz's "
-            "decoder does not have; use a checkpoint with attention_bias=false"
-        )
+    extra = _family_keys(d, source, fam, arch)
+    biased = {"qkv": True, "none": False}.get(fam.bias, _bool(d, "attention_bias", source, fam.model_type == "gpt_oss"))
     heads = _int(d, "num_attention_heads", source, required=True)
     hidden = _int(d, "hidden_size", source, required=True)
     layers = _int(d, "num_hidden_layers", source, required=True)
-    # transformers: Qwen3Config.head_dim defaults to 128; Qwen2/Llama fall back to hidden_size // heads.
-    head_dim = _int(d, "head_dim", source, 128 if model_type == "qwen3" else hidden // heads)
+    head_dim = _int(d, "head_dim", source, fam.head_dim or hidden // heads)
     kv_heads = _int(d, "num_key_value_heads", source, heads)
     if heads % kv_heads:
         raise ModelFileError(
@@ -171,17 +333,10 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
         )
     if head_dim % 2:
         raise ModelFileError(f"head_dim={head_dim} in {source} is odd: RoPE needs an even head_dim; fix config.json")
-    if dtype is None:
-        saved = d.get("dtype", d.get("torch_dtype"))
-        dtype = saved if saved in DTYPES else "float32"
-    else:
-        names = {v: k for k, v in DTYPES.items()}
-        dtype = names.get(dtype, dtype) if isinstance(dtype, torch.dtype) else dtype
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r}: nemo_rz models run in {', '.join(DTYPES)}; pass one of these")
-    tie = d.get("tie_word_embeddings", False)
-    if not isinstance(tie, bool):
-        raise ModelFileError(f"'tie_word_embeddings' in {source} is {tie!r}: expected true or false; fix config.json")
+    window, layer_types = _layer_windows(d, source, fam, layers)
+    theta, scaling, local_theta = _rope(d, source, fam, fam.model_type)
+    if window is None or local_theta == theta and scaling is None:
+        local_theta = None  # no sliding layer, or they rotate as the full ones
     try:
         return DecoderConfig(
             vocab_size=_int(d, "vocab_size", source, required=True),
@@ -191,14 +346,20 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rope_theta=_rope_theta(d, source),
-            rms_norm_eps=_float(d, "rms_norm_eps", source, 1e-6),
-            qk_norm=qk_norm,
-            attention_bias=attention_bias,
-            tie_word_embeddings=tie,
-            max_position_embeddings=_int(d, "max_position_embeddings", source, _DEFAULT_MAX_POSITIONS[model_type]),
-            sliding_window=_sliding_window(d, model_type, layers, source),
-            dtype=dtype,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rope_local_theta=local_theta,
+            rms_norm_eps=_float(d, "rms_norm_eps", source, fam.rms_norm_eps),
+            qk_norm=fam.qk_norm,
+            attention_bias=biased,
+            o_proj_bias=biased and fam.bias == "config",
+            tie_word_embeddings=_bool(d, "tie_word_embeddings", source, fam.tie),
+            max_position_embeddings=_int(d, "max_position_embeddings", source, fam.max_positions),
+            sliding_window=window,
+            layer_types=layer_types,
+            dtype=_dtype(d, dtype),
+            **extra,
+            **_moe(d, source, fam, layers),
         )
     except ModelFileError:
         raise
@@ -206,26 +367,33 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
         raise ModelFileError(f"{source}: {e}") from None
 
 
-def hf_config(cfg: DecoderConfig, architecture: str = "Qwen3ForCausalLM") -> dict:
-    """The config.json dict transformers needs to load a Decoder with `cfg` as `architecture`."""
-    if architecture not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {architecture!r}: nemo_rz writes {SUPPORTED}")
-    model_type, qk_norm, fixed_bias = ARCHITECTURES[architecture]
-    fits = [
-        arch for arch, (_, norm, bias) in ARCHITECTURES.items()
-        if norm == cfg.qk_norm and (bias if bias is not None else False) == cfg.attention_bias
-        and not (arch == "LlamaForCausalLM" and cfg.sliding_window)
-    ]
-    if architecture not in fits:
-        hint = f"save it as {' or '.join(fits)}" if fits else "no supported architecture has this combination"
-        raise ValueError(
-            f"cannot save as {architecture}: the model has qk_norm={cfg.qk_norm}, attention_bias={cfg.attention_bias}, "
-            f"sliding_window={cfg.sliding_window}, which {architecture} cannot express; {hint}"
-        )
+# -- writing -------------------------------------------------------------------------------------------------
+def architecture_for(cfg: DecoderConfig) -> str:
+    """The architecture a model with `cfg` is saved as by default."""
+    if cfg.norm == "gemma":
+        return "Gemma3ForCausalLM"
+    if cfg.num_experts:
+        return "GptOssForCausalLM" if cfg.moe_kind == "gpt_oss" else "Qwen3MoeForCausalLM"
+    if cfg.qk_norm:
+        return "Qwen3ForCausalLM"
+    if cfg.attention_bias and not cfg.o_proj_bias:
+        return "Qwen2ForCausalLM"
+    if cfg.window(0) is not None and cfg.layer_types is None and not cfg.attention_bias:
+        return "MistralForCausalLM"
+    return "LlamaForCausalLM"
+
+
+def _rope_entry(theta: float, scaling: dict | None) -> dict:
+    return {"rope_type": "default", "rope_theta": theta} if scaling is None else {**scaling, "rope_theta": theta}
+
+
+def _written(cfg: DecoderConfig, fam: Family, arch: str) -> dict:
     theta = float(cfg.rope_theta)
+    types = [("sliding_attention" if w is not None else "full_attention") for w in cfg.windows()]
+    sliding = "sliding_attention" in types
     out = {
-        "architectures": [architecture],
-        "model_type": model_type,
+        "architectures": [arch],
+        "model_type": fam.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -237,7 +405,7 @@ def hf_config(cfg: DecoderConfig, architecture: str = "Qwen3ForCausalLM") -> dic
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": theta,  # transformers 4.x reads this ...
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},  # ... and 5.x this
+        "rope_parameters": _rope_entry(theta, cfg.rope_scaling),  # ... and 5.x this
         "rope_scaling": None,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_dropout": 0.0,
@@ -248,16 +416,80 @@ def hf_config(cfg: DecoderConfig, architecture: str = "Qwen3ForCausalLM") -> dic
         "pad_token_id": None,
         "dtype": cfg.dtype,
     }
-    if model_type == "llama":
-        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    else:
-        sliding = cfg.sliding_window is not None
-        out.update(
-            use_sliding_window=sliding,
-            sliding_window=cfg.sliding_window,
-            max_window_layers=0 if sliding else cfg.num_layers,
-            layer_types=["sliding_attention" if sliding else "full_attention"] * cfg.num_layers,
-        )
-        if model_type == "qwen3":
-            out["attention_bias"] = False
+    if fam.bias == "config":
+        out["attention_bias"] = cfg.attention_bias
+    mt = fam.model_type
+    if mt == "llama":
+        out.update(mlp_bias=False, pretraining_tp=1)
+    elif mt in ("qwen2", "qwen3"):
+        out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window if sliding else None,
+                   max_window_layers=types.index("sliding_attention") if sliding else cfg.num_layers, layer_types=types)
+    elif mt == "mistral":
+        out["sliding_window"] = cfg.sliding_window if sliding else None
+    elif mt == "qwen3_moe":
+        moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
+        out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window if sliding else None,
+                   num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=1, mlp_only_layers=[i for i in range(cfg.num_layers) if i not in moe])
+    elif mt == "gpt_oss":
+        out.pop("rope_scaling")
+        out.update(layer_types=types, sliding_window=cfg.sliding_window or 128, num_local_experts=cfg.num_experts,
+                   num_experts_per_tok=cfg.num_experts_per_tok, intermediate_size=cfg.moe_intermediate_size,
+                   swiglu_limit=cfg.swiglu_limit, swiglu_alpha=_GPT_OSS_SWIGLU_ALPHA)
+    elif mt == "gemma3_text":
+        for key in ("hidden_act", "rope_theta", "rope_scaling"):
+            out.pop(key)
+        local = cfg.rope_local_theta if cfg.rope_local_theta is not None else theta
+        scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                   layer_types=types, sliding_window=cfg.sliding_window or 4096, final_logit_softcapping=None,
+                   attn_logit_softcapping=None, use_bidirectional_attention=False,
+                   rope_parameters={"full_attention": _rope_entry(theta, cfg.rope_scaling),
+                                    "sliding_attention": _rope_entry(local, None if cfg.rope_local_theta is not None else cfg.rope_scaling)})
     return out
+
+
+def _structure(cfg: DecoderConfig) -> dict:
+    """What a config means for the computation: equal structures are the same model."""
+    d = cfg.to_dict()
+    for key in ("layer_types", "sliding_window", "moe_layers", "rope_theta", "rope_scaling", "rope_local_theta", "dtype"):
+        d.pop(key)
+    d.update(windows=cfg.windows(), ropes=[cfg.rope(i) for i in range(cfg.num_layers)],
+             moe=[cfg.is_moe(i) for i in range(cfg.num_layers)])
+    if not cfg.num_experts:
+        for key in ("num_experts_per_tok", "moe_intermediate_size", "moe_kind", "norm_topk_prob", "swiglu_limit"):
+            d.pop(key)
+    if cfg.query_pre_attn_scalar is None:
+        d["query_pre_attn_scalar"] = float(cfg.head_dim)
+    return d
+
+
+def hf_config(cfg: DecoderConfig, architecture: str | None = None) -> dict:
+    """The config.json dict transformers needs to load a Decoder with `cfg` as `architecture` (None: the
+    natural one, architecture_for). Refuses (ValueError) a model the architecture cannot express."""
+    architecture = architecture or architecture_for(cfg)
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r}: nemo_rz writes {SUPPORTED}")
+    out = _written(cfg, ARCHITECTURES[architecture], architecture)
+    try:
+        back = config_from_hf(out, "the written config", cfg.dtype)
+    except ValueError as e:
+        back, error = None, str(e)
+    mine = _structure(cfg)
+    if back is None or _structure(back) != mine:
+        theirs = {} if back is None else _structure(back)
+        differ = sorted(k for k in mine if mine.get(k) != theirs.get(k))
+        fits = [a for a in ARCHITECTURES if a != architecture and _fits(cfg, a)]
+        hint = f"save it as {' or '.join(fits)}" if fits else "no supported architecture has this combination"
+        what = ", ".join(f"{k}={getattr(cfg, k, mine[k])!r}" for k in differ[:4]) if back is not None else error
+        raise ValueError(f"cannot save as {architecture}: the model has {what}, which {architecture} cannot express; {hint}")
+    return out
+
+
+def _fits(cfg: DecoderConfig, architecture: str) -> bool:
+    try:
+        back = config_from_hf(_written(cfg, ARCHITECTURES[architecture], architecture), "the written config", cfg.dtype)
+    except ValueError:
+        return False
+    return _structure(back) == _structure(cfg)
