@@ -1,0 +1,474 @@
+"""Context parallelism: zigzag ring attention over packed sequences, with branch attention for a draft.
+
+Sharding (`ZigzagShard`). A packed row holds sequences back to back (`cu_seqlens`). Each sequence is cut into
+blocks of KV_BLOCK tokens, its blocks into 2W chunks of nearly equal size, and rank r holds chunks r and
+2W-1-r: under a causal mask chunk r's queries see few keys and chunk 2W-1-r's many, so the work is balanced.
+A key block never straddles two ranks.
+
+Arithmetic. Each output row is computed exactly as ops.attention's consistent path computes it on one process
+(see its docstring): scores of row tiles [R, D] against key blocks [D, KV_BLOCK] by torch.bmm on one thread,
+the softmax shift m = the row's exact maximum visible score, p = exp(max(s - m, -87)) * visible,
+[P @ V | sum p] per (tile, block) by torch.bmm against [V | 1], those partials added in increasing block order
+starting from zeros, out = (P @ V) / sum p. A row's bits depend only on its own keys and their blocks (the
+row-invariance ops.attention relies on), so the result equals single-process attention bit for bit whatever
+the rank count. The ring changes only where a block's products are computed:
+- pass 1 circulates the key blocks: each rank scores its queries against every block it receives and keeps
+  the scores; the exact max needs no order;
+- pass 2 circulates the value blocks: p and the [P @ V | sum p] partials, kept with each pair's block index;
+- the partials are then added per row in block-index order, never in ring-arrival order.
+Like ops.attention's consistent path (which materialises all pairs of a forward at once), this keeps every
+(tile, block) partial of the rank's queries: memory grows with queries x visible keys / KV_BLOCK.
+
+Backward (a ring of its own): key and value blocks circulate once more; each rank recomputes s and p for its
+queries, forms dS, and keeps dQ partials; the dK and dV partials of a block go straight back to the block's
+owner. Both are added in fixed orders (dQ: by key block; dK, dV: by query block), so gradients are the same
+bits for any rank count (1, 2, 4 ... processes). They are the exact gradients of the forward above; the
+library backward of ops.attention sums the same terms in other orders (equal within float32 rounding).
+
+Branch attention (`branch_attention`): a draft's training-time test runs J further steps at every position; the
+query of step j (1..J) at position p attends to the main sequence's keys 0..p (blocks before p's own block come
+through the ring) followed by its own branch's keys of steps 1..j at p (rank-local). The keys it sees are the
+sequence [main 0..p, branch 1..j], cut into KV_BLOCK blocks from 0 like any sequence: so
+ops.attention over that sequence, with the query at position p + j, gives the same bits.
+
+Full causal attention only (no sliding window, no sinks); queries and keys of one token share a rank.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nemo_rz.ops.attention import _EXP_FLOOR, KV_BLOCK
+from nemo_rz.ops.attention_plan import ones_columns, tile_rows
+from nemo_rz.ops.verified import one_thread
+
+__all__ = ["ZigzagShard", "branch_attention", "ring_attention"]
+
+_RING_TAG, _RETURN_TAG = 11, 12  # point-to-point tags: ring transfers, dK/dV partials on their way home
+
+
+class ZigzagShard:
+    """Which tokens of a packed row rank `rank` of `world` holds (see the module docstring).
+
+    index: global token indices of the local tokens, in local order (x_local = x[index]);
+    positions, seq_idx: each local token's position in its sequence and its sequence."""
+
+    def __init__(self, cu_seqlens, world: int, rank: int):
+        cu = [int(c) for c in cu_seqlens]
+        if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens = {cu}: must start at 0 and strictly increase (one entry per sequence boundary)")
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"rank {rank} of world {world}: need world >= 1 and 0 <= rank < world")
+        self.cu_seqlens, self.world, self.rank = tuple(cu), world, rank
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        blocks = [-(-n // KV_BLOCK) for n in lengths]
+        first = [sum(blocks[:s]) for s in range(len(blocks))]  # global id of each sequence's block 0
+        self.total_blocks = sum(blocks)
+        # blocks_of[q]: [n, 3] (sequence, block in sequence, global block id) held by rank q, in local order.
+        self.blocks_of = []
+        for q in range(world):
+            rows = []
+            for s, nb in enumerate(blocks):
+                for c in (q, 2 * world - 1 - q):
+                    rows += [(s, b, first[s] + b) for b in range(c * nb // (2 * world), (c + 1) * nb // (2 * world))]
+            self.blocks_of.append(torch.tensor(rows, dtype=torch.long).view(-1, 3))
+        mine = self.blocks_of[rank]
+        offs = torch.arange(KV_BLOCK)
+        seq = mine[:, 0, None].expand(-1, KV_BLOCK)
+        pos = mine[:, 1, None] * KV_BLOCK + offs
+        real = (pos < torch.tensor(lengths)[seq]).view(-1)
+        self.slot = real.nonzero().squeeze(1)  # each local token's slot in the block-padded local layout
+        self.seq_idx = seq.reshape(-1)[self.slot]
+        self.positions = pos.reshape(-1)[self.slot]
+        self.index = torch.tensor(cu[:-1])[self.seq_idx] + self.positions
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks_of[self.rank].shape[0]
+
+    def gather(self, x: torch.Tensor, group=None) -> torch.Tensor:
+        """Every rank's local rows of x (dim 0) put back in global token order, on every rank."""
+        if self.world == 1:
+            return x
+        size = max(int(KV_BLOCK * b.shape[0]) for b in self.blocks_of)
+        mine = x.new_zeros(size, *x.shape[1:])
+        mine[: x.shape[0]] = x
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(parts, mine, group=group)
+        out = x.new_empty(self.cu_seqlens[-1], *x.shape[1:])
+        for q, part in enumerate(parts):
+            index = ZigzagShard(self.cu_seqlens, self.world, q).index
+            out[index] = part[: index.shape[0]]
+        return out
+
+
+def ring_attention(q, k, v, shard: ZigzagShard, scale: float, group=None) -> torch.Tensor:
+    """Causal attention of the local tokens q [n, H, D], k, v [n, Hkv, D] (GQA: H a multiple of Hkv), all in
+    `shard`'s local order, against every earlier token of their sequences on all ranks of `group` (None: the
+    default group). Returns [n, H, D]; differentiable in q, k and v (each rank gets its own tokens' gradients)."""
+    empty_q, empty_kv = q.new_zeros(0, *q.shape), k.new_zeros(0, *k.shape)
+    return branch_attention(q, k, v, empty_q, empty_kv, empty_kv, shard, scale, group)[0]
+
+
+def branch_attention(q, k, v, q_branch, k_branch, v_branch, shard: ZigzagShard, scale: float, group=None):
+    """Main-sequence attention as in `ring_attention`, plus J branch steps at every local position:
+    q_branch [J, n, H, D], k_branch, v_branch [J, n, Hkv, D] (step j = 1..J in row j - 1). The step-j query at
+    position p sees the main keys 0..p of its sequence (on any rank), then the branch keys of steps 1..j at p.
+    Returns (main out [n, H, D], branch out [J, n, H, D]), differentiable in all six inputs."""
+    _check(q, k, v, q_branch, k_branch, v_branch, shard)
+    world, rank = _group_shape(shard, group)
+    if (world, rank) != (shard.world, shard.rank):
+        raise ValueError(f"the shard is rank {shard.rank} of {shard.world} but the process group has this process "
+                         f"as rank {rank} of {world}: build the ZigzagShard from the group's rank and size")
+    plan = _plan(shard.cu_seqlens, shard.world, shard.rank, q.shape[1], k.shape[1], q.shape[2], q_branch.shape[0])
+    return _BranchAttention.apply(plan, group, scale, q, k, v, q_branch, k_branch, v_branch)
+
+
+def _check(q, k, v, qb, kb, vb, shard: ZigzagShard) -> None:
+    n = shard.index.shape[0]
+    if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or q.shape[0] != n or k.shape[0] != n:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need q [n, H, D] and k, v "
+                         f"[n, Hkv, D] with n = {n}, the shard's local token count")
+    if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: head dims must match and H be a multiple of Hkv")
+    if qb.shape[1:] != q.shape or kb.shape[1:] != k.shape or vb.shape != kb.shape or qb.shape[0] != kb.shape[0]:
+        raise ValueError(f"branch q {tuple(qb.shape)}, k {tuple(kb.shape)}, v {tuple(vb.shape)}: need [J, *main shape]")
+    for name, t in (("q", q), ("k", k), ("v", v), ("q_branch", qb), ("k_branch", kb), ("v_branch", vb)):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} holds non-finite values: attention inputs must be finite")
+
+
+def _group_shape(shard: ZigzagShard, group) -> tuple[int, int]:
+    if shard.world == 1 and (group is None or not dist.is_initialized()):
+        return 1, 0
+    if not dist.is_initialized():
+        raise ValueError(f"a shard of {shard.world} ranks needs torch.distributed initialised (init_process_group)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+# -- plan: who computes which (query tile, key block) pair ---------------------------------------------------
+
+
+class _Pairs:
+    """Full pairs between the query blocks of one rank and the key blocks of another (key block before query
+    block, same sequence), one per (query block, key block, kv head): a, b (local block indices on each side),
+    head, and the global ids of both blocks."""
+
+    def __init__(self, q_blocks: torch.Tensor, k_blocks: torch.Tensor, kv_heads: int):
+        see = (q_blocks[:, None, 0] == k_blocks[None, :, 0]) & (k_blocks[None, :, 1] < q_blocks[:, None, 1])
+        a, b = see.nonzero(as_tuple=True)
+        self.a = a.repeat_interleave(kv_heads)
+        self.b = b.repeat_interleave(kv_heads)
+        self.head = torch.arange(kv_heads).repeat(a.shape[0])
+        self.a_gid, self.b_gid = q_blocks[self.a, 2], k_blocks[self.b, 2]
+        self.n = self.a.shape[0]
+
+
+class _Plan:
+    """Bookkeeping of one rank: the query row table, full pairs per source rank, rank-local tail pairs.
+
+    Query rows: main (step 0) and branch steps 1..J of every local slot (KV_BLOCK slots per local block, the
+    last block of a sequence padded), laid out as [block, kv head, step, offset, head in group]: the rows of a
+    (block, kv head) group are contiguous and cut into tiles of R rows. Row n_rows is a dump for tile padding.
+    Key pool: [step, block, offset, kv head] rows of keys (values alike), then one zero row.
+    """
+
+    def __init__(self, cu_seqlens, world, rank, heads, kv_heads, head_dim, steps):
+        shard = ZigzagShard(cu_seqlens, world, rank)
+        self.world, self.rank, self.steps = world, rank, steps
+        self.heads, self.kv_heads, self.g = heads, kv_heads, heads // kv_heads
+        self.nbl = nbl = shard.num_blocks
+        self.nb_max = max(b.shape[0] for b in shard.blocks_of)
+        self.slot = shard.slot
+        # The tile height ops.attention takes for a block of training queries (any height gives each row the
+        # same bits where the batched products were probed row-invariant).
+        self.R = R = tile_rows(torch.zeros(KV_BLOCK, dtype=torch.long), heads, kv_heads, head_dim, torch.float32)
+        self.rows_g = (steps + 1) * KV_BLOCK * self.g  # rows per (block, kv head) group, a multiple of R
+        self.n_rows = nbl * kv_heads * self.rows_g
+        self.pool_rows = (steps + 1) * nbl * KV_BLOCK * kv_heads
+        mine = shard.blocks_of[rank]
+        self.full = [_Pairs(mine, shard.blocks_of[src], kv_heads) for src in range(world)]  # my queries, src's keys
+        self.incoming = [_Pairs(shard.blocks_of[src], mine, kv_heads) for src in range(world)]  # src's queries, my keys
+        self._tails(mine, R)
+
+    def full_rows(self, pairs: _Pairs) -> torch.Tensor:
+        """[pairs, rows_g]: the query rows of each pair's (block, kv head) group."""
+        return ((pairs.a * self.kv_heads + pairs.head) * self.rows_g)[:, None] + torch.arange(self.rows_g)
+
+    def key_rows(self, pairs: _Pairs) -> torch.Tensor:
+        """[pairs, KV_BLOCK]: the owner's key pool rows of each pair's key block (main step)."""
+        return ((pairs.b * KV_BLOCK)[:, None] + torch.arange(KV_BLOCK)) * self.kv_heads + pairs.head[:, None]
+
+    def _row(self, a, head, step, off, e):
+        return (((a * self.kv_heads + head) * (self.steps + 1) + step) * KV_BLOCK + off) * self.g + e
+
+    def _pool(self, step, a, off, head):
+        return ((step * self.nbl + a) * KV_BLOCK + off) * self.kv_heads + head
+
+    def _tails(self, mine: torch.Tensor, R: int) -> None:
+        """Rank-local pairs: each block's main queries against the block itself (causal), and each position's
+        branch queries against the blocks of [main keys of the block up to p, branch keys at p]. Per pair:
+        rows / dest [P, R], keys [P, KV_BLOCK] (pool rows), count [P, R] (visible keys: a prefix), the
+        block's global id, its block index within the row's key sequence, and its rank among its block's tails."""
+        J, g, H, nbl = self.steps, self.g, self.kv_heads, self.nbl
+        off = torch.arange(KV_BLOCK)
+        parts = []
+        # Main tails: (block a, kv head h, tile t); rows of step 0 are contiguous in the group.
+        a, h, t = (x.reshape(-1) for x in torch.meshgrid(torch.arange(nbl), torch.arange(H), torch.arange(KV_BLOCK * g // R), indexing="ij"))
+        within = t[:, None] * R + torch.arange(R)  # (offset, head in group) index within step 0 of the group
+        rows = self._row(a, h, 0, 0, 0)[:, None] + within
+        keys = self._pool(0, a[:, None], off, h[:, None])
+        parts.append((a, rows, rows, keys, within // g + 1, torch.zeros_like(a), t))
+        if J:
+            tail_blocks = -(-(KV_BLOCK + J) // KV_BLOCK)
+            n_tiles = -(-(J * g) // R)
+            a, o, h, tb, tt = (x.reshape(-1) for x in torch.meshgrid(
+                torch.arange(nbl), off, torch.arange(H), torch.arange(tail_blocks), torch.arange(n_tiles), indexing="ij"))
+            keep = o + 1 + J > tb * KV_BLOCK  # the block holds a key some row of the tile sees
+            a, o, h, tb, tt = a[keep], o[keep], h[keep], tb[keep], tt[keep]
+            slot = tt[:, None] * R + torch.arange(R)  # (step - 1, head in group) index, past J * g: padding
+            pad = slot >= J * g
+            slot = slot.masked_fill(pad, 0)  # padding computes the group's first row again, into the dump
+            step = slot // g + 1
+            rows = self._row(a[:, None], h[:, None], step, o[:, None], slot % g)
+            dest = rows.masked_fill(pad, self.n_rows)
+            v = tb[:, None] * KV_BLOCK + off  # virtual key position
+            o_, a_, h_ = o[:, None], a[:, None], h[:, None]
+            keys = torch.where(v <= o_, self._pool(0, a_, v.clamp(max=KV_BLOCK - 1), h_),
+                               torch.where(v <= o_ + J, self._pool((v - o_).clamp(1, J), a_, o_, h_), self.pool_rows))
+            count = (o_ + 1 + step - tb[:, None] * KV_BLOCK).clamp(0, KV_BLOCK)
+            rank = KV_BLOCK * g // R + (o * tail_blocks + tb) * n_tiles + tt
+            parts.append((a, rows, dest, keys, count, 1 + tb, rank))
+        a, self.tail_rows, self.tail_dest, self.tail_keys, count, self.tail_block, self.tail_rank = (torch.cat(x) for x in zip(*parts))
+        self.tail_gid = mine[a, 2]
+        self.tail_visible = (off < count[..., None]).float()  # [P, R, KV_BLOCK]
+        self.tail_bias = torch.zeros_like(self.tail_visible).masked_fill_(self.tail_visible == 0, float("-inf"))
+        self.tail_stride = 2 + (self.tail_block.max().item() if self.tail_block.numel() else 0)
+        self.tail_ranks = 1 + (self.tail_rank.max().item() if self.tail_rank.numel() else 0)
+
+    # Ordering keys. Per query row: key blocks in increasing order (full blocks by global id, then the row's
+    # tail blocks). Per key row: contributions by query block, full pair first, then the block's tails.
+    def row_key_full(self, pairs: _Pairs) -> torch.Tensor:
+        return pairs.b_gid * self.tail_stride
+
+    def row_key_tail(self) -> torch.Tensor:
+        return self.tail_gid * self.tail_stride + self.tail_block
+
+    def key_key_full(self, pairs: _Pairs) -> torch.Tensor:
+        return pairs.a_gid * (1 + self.tail_ranks)
+
+    def key_key_tail(self) -> torch.Tensor:
+        return self.tail_gid * (1 + self.tail_ranks) + 1 + self.tail_rank
+
+
+@functools.lru_cache(maxsize=8)
+def _plan(cu_seqlens, world, rank, heads, kv_heads, head_dim, steps) -> _Plan:
+    return _Plan(cu_seqlens, world, rank, heads, kv_heads, head_dim, steps)
+
+
+# -- arithmetic -----------------------------------------------------------------------------------------------
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm on one thread, always over at least two products (a batch of one may take another BLAS path)."""
+    if a.shape[0] == 1:
+        return _bmm(a.expand(2, -1, -1).contiguous(), b.expand(2, -1, -1).contiguous())[:1]
+    with one_thread():
+        return torch.bmm(a, b)
+
+
+def _ordered_sum(n_rows: int, parts) -> torch.Tensor:
+    """Sum of partial rows into n_rows rows: parts are (values [P, r, C], dest rows [P, r], key [P]); the
+    contributions to a row are added one after another (index_add_) in increasing key, starting from zeros."""
+    values = torch.cat([v.reshape(-1, v.shape[-1]) for v, _, _ in parts])
+    dest = torch.cat([d.reshape(-1) for _, d, _ in parts])
+    key = torch.cat([k[:, None].expand(d.shape).reshape(-1) for _, d, k in parts])
+    order = torch.argsort(key, stable=True)
+    return values.new_zeros(n_rows, values.shape[-1]).index_add_(0, dest[order], values[order])
+
+
+def _ring(tensors: list[torch.Tensor], plan: _Plan, group):
+    """Yield (step, source rank, its tensors) for every rank, this rank's own first; each rank passes what it
+    holds to the next while the current step is computed."""
+    current = tensors
+    for step in range(plan.world):
+        works, incoming = [], None
+        if step + 1 < plan.world:
+            incoming = [torch.empty_like(t) for t in current]
+            works = [dist.isend(t, group=group, group_dst=(plan.rank + 1) % plan.world, tag=_RING_TAG) for t in current]
+            works += [dist.irecv(t, group=group, group_src=(plan.rank - 1) % plan.world, tag=_RING_TAG) for t in incoming]
+        yield step, (plan.rank - step) % plan.world, current
+        for w in works:
+            w.wait()
+        current = incoming
+
+
+def _blocks(pool: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """The main keys (or values) of the local blocks as [nb_max, KV_BLOCK, Hkv, D] (zero blocks past nbl)."""
+    main = pool[: plan.nbl * KV_BLOCK * plan.kv_heads].view(plan.nbl, KV_BLOCK, plan.kv_heads, -1)
+    return F.pad(main, (0, 0, 0, 0, 0, 0, 0, plan.nb_max - plan.nbl)).contiguous()
+
+
+def _pair_keys(blocks: torch.Tensor, pairs: _Pairs) -> torch.Tensor:
+    """[pairs, KV_BLOCK, D]: each pair's key (or value) block from a rank's blocks."""
+    return blocks[pairs.b, :, pairs.head]
+
+
+def _tiles(x: torch.Tensor, per_pair: int) -> torch.Tensor:
+    """Repeat each pair's [r, c] operand for its `per_pair` tiles, as one contiguous batch."""
+    return x.unsqueeze(1).expand(-1, per_pair, -1, -1).reshape(-1, *x.shape[1:])
+
+
+def _layout(x: torch.Tensor, xb: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """[n, h, D] and [J, n, h, D] -> rows [step, slot, h, D] in float32 (slots of padding tokens are zero)."""
+    steps = torch.cat([x.unsqueeze(0), xb]).float()
+    out = steps.new_zeros(steps.shape[0], plan.nbl * KV_BLOCK, *steps.shape[2:])
+    return out.index_copy_(1, plan.slot, steps)
+
+
+def _query_rows(x, xb, plan: _Plan) -> torch.Tensor:
+    """Queries (or their gradients) as the plan's row table [n_rows + 1, D] (last row: the dump, zero)."""
+    s = _layout(x, xb, plan)
+    d = s.shape[-1]
+    rows = s.view(plan.steps + 1, plan.nbl, KV_BLOCK, plan.kv_heads, plan.g, d).permute(1, 3, 0, 2, 4, 5)
+    return F.pad(rows.reshape(-1, d), (0, 0, 0, 1))
+
+
+def _unrows(rows: torch.Tensor, plan: _Plan, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    d = rows.shape[-1]
+    x = rows[: plan.n_rows].view(plan.nbl, plan.kv_heads, plan.steps + 1, KV_BLOCK, plan.g, d).permute(2, 0, 3, 1, 4, 5)
+    x = x.reshape(plan.steps + 1, plan.nbl * KV_BLOCK, plan.heads, d).index_select(1, plan.slot).to(dtype)
+    return x[0], x[1:]
+
+
+def _key_pool(x, xb, plan: _Plan) -> torch.Tensor:
+    """Keys (or values) as the plan's pool [pool_rows + 1, D] (last row zero)."""
+    s = _layout(x, xb, plan)
+    return F.pad(s.reshape(-1, s.shape[-1]), (0, 0, 0, 1))
+
+
+def _unpool(pool: torch.Tensor, plan: _Plan, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    d = pool.shape[-1]
+    x = pool[: plan.pool_rows].view(plan.steps + 1, plan.nbl * KV_BLOCK, plan.kv_heads, d).index_select(1, plan.slot).to(dtype)
+    return x[0], x[1:]
+
+
+def _shifted(s: torch.Tensor, m: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return s - m.index_select(0, rows.reshape(-1)).view(*rows.shape, 1)
+
+
+class _BranchAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: _Plan, group, scale, q, k, v, qb, kb, vb):
+        d = q.shape[-1]
+        Q = _query_rows(q, qb, plan) * scale
+        kpool, vpool = _key_pool(k, kb, plan), _key_pool(v, vb, plan)
+        ones = ones_columns(d)
+        tiles = plan.rows_g // plan.R
+        m = Q.new_full((plan.n_rows + 1,), float("-inf"))
+
+        # Pass 1, keys: scores of every pair, and each row's exact maximum (a max needs no order).
+        scores = []
+        for _, src, (kblocks,) in _ring([_blocks(kpool, plan)], plan, group):
+            pairs = plan.full[src]
+            if pairs.n == 0:
+                scores.append(None)
+                continue
+            rows = plan.full_rows(pairs)
+            qp = Q.index_select(0, rows.reshape(-1)).view(-1, plan.R, d)
+            s = _bmm(qp, _tiles(_pair_keys(kblocks, pairs).transpose(1, 2), tiles))
+            m.scatter_reduce_(0, rows.reshape(-1), s.amax(-1).reshape(-1), "amax")
+            scores.append(s)
+        kt = kpool.index_select(0, plan.tail_keys.reshape(-1)).view(-1, KV_BLOCK, d)
+        q_tail = Q.index_select(0, plan.tail_rows.reshape(-1)).view(-1, plan.R, d)
+        s_tail = _bmm(q_tail, kt.transpose(1, 2).contiguous()) + plan.tail_bias
+        m.scatter_reduce_(0, plan.tail_dest.reshape(-1), s_tail.amax(-1).reshape(-1), "amax")
+
+        # Pass 2, values: [P @ V | sum p] of every pair, kept with its block's place in the row's order.
+        parts = []
+        for step, src, (vblocks,) in _ring([_blocks(vpool, plan)], plan, group):
+            pairs, s = plan.full[src], scores[step]
+            if s is None:
+                continue
+            rows = plan.full_rows(pairs).view(-1, plan.R)
+            p = torch.exp(_shifted(s, m, rows).clamp(min=_EXP_FLOOR))
+            vp = _tiles(F.pad(_pair_keys(vblocks, pairs), (0, ones), value=1.0), tiles)
+            parts.append((_bmm(p, vp), rows, plan.row_key_full(pairs).repeat_interleave(tiles)))
+            scores[step] = None
+        vt = vpool.index_select(0, plan.tail_keys.reshape(-1)).view(-1, KV_BLOCK, d)
+        p_tail = torch.exp(_shifted(s_tail, m, plan.tail_dest).clamp(min=_EXP_FLOOR)) * plan.tail_visible
+        parts.append((_bmm(p_tail, F.pad(vt, (0, ones), value=1.0)), plan.tail_dest, plan.row_key_tail()))
+        acc = _ordered_sum(plan.n_rows + 1, parts)
+        out = acc[:, :d] / acc[:, d : d + 1]
+
+        ctx.plan, ctx.group, ctx.scale = plan, group, scale
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.save_for_backward(Q, kpool, vpool, m, out, acc[:, d])
+        return _unrows(out, plan, q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout, dout_b):
+        plan, group = ctx.plan, ctx.group
+        Q, kpool, vpool, m, out, denom = ctx.saved_tensors
+        d = Q.shape[-1]
+        tiles = plan.rows_g // plan.R
+        dO = _query_rows(dout, dout_b, plan) / denom[:, None]
+        delta = (_query_rows(dout, dout_b, plan) * out).sum(-1) / denom
+        dO[-1], delta[-1] = 0.0, 0.0  # the dump row: padding of tail tiles contributes nothing
+
+        def grads(s, rows, vp, visible=None):
+            """dS and p of one batch of pairs: s [P, R, KV_BLOCK] scores of query rows `rows` [P, R]."""
+            shifted = _shifted(s, m, rows)
+            p = torch.exp(shifted.clamp(min=_EXP_FLOOR))
+            if visible is not None:
+                p = p * visible
+            dp = _bmm(dO.index_select(0, rows.reshape(-1)).view(-1, plan.R, d), vp.transpose(1, 2).contiguous())
+            dp = dp - delta.index_select(0, rows.reshape(-1)).view(*rows.shape, 1)
+            return p * dp * (shifted >= _EXP_FLOOR), p  # no gradient where the exp's input was clamped
+
+        dq_parts, dk_parts, dv_parts, sent = [], [], [], []
+        for step, src, (kblocks, vblocks) in _ring([_blocks(kpool, plan), _blocks(vpool, plan)], plan, group):
+            pairs = plan.full[src]
+            if pairs.n:
+                rows = plan.full_rows(pairs)
+                kp, vp = _pair_keys(kblocks, pairs), _pair_keys(vblocks, pairs)
+                qg = Q.index_select(0, rows.reshape(-1)).view(pairs.n, plan.rows_g, d)
+                s = _bmm(qg.view(-1, plan.R, d), _tiles(kp.transpose(1, 2), tiles))
+                ds, p = grads(s, rows.view(-1, plan.R), _tiles(vp, tiles))
+                ds, p = ds.view(pairs.n, plan.rows_g, KV_BLOCK), p.view(pairs.n, plan.rows_g, KV_BLOCK)
+                dq_parts.append((_bmm(ds, kp), rows, plan.row_key_full(pairs)))
+                dog = dO.index_select(0, rows.reshape(-1)).view(pairs.n, plan.rows_g, d)
+                dkv = torch.stack([_bmm(ds.transpose(1, 2).contiguous(), qg), _bmm(p.transpose(1, 2).contiguous(), dog)], 1)
+                if src == plan.rank:
+                    dk_parts.append((dkv[:, 0], plan.key_rows(pairs), plan.key_key_full(pairs)))
+                    dv_parts.append((dkv[:, 1], plan.key_rows(pairs), plan.key_key_full(pairs)))
+                else:  # the block's owner adds them up
+                    sent.append((dkv, dist.isend(dkv, group=group, group_dst=src, tag=_RETURN_TAG)))
+            origin = (plan.rank + step) % plan.world  # whose queries scored my blocks at this step
+            back = plan.incoming[origin]
+            if step and back.n:
+                buf = Q.new_empty(back.n, 2, KV_BLOCK, d)
+                dist.irecv(buf, group=group, group_src=origin, tag=_RETURN_TAG).wait()
+                dk_parts.append((buf[:, 0], plan.key_rows(back), plan.key_key_full(back)))
+                dv_parts.append((buf[:, 1], plan.key_rows(back), plan.key_key_full(back)))
+        for _, work in sent:
+            work.wait()
+
+        kt = kpool.index_select(0, plan.tail_keys.reshape(-1)).view(-1, KV_BLOCK, d)
+        vt = vpool.index_select(0, plan.tail_keys.reshape(-1)).view(-1, KV_BLOCK, d)
+        q_tail = Q.index_select(0, plan.tail_rows.reshape(-1)).view(-1, plan.R, d)
+        s_tail = _bmm(q_tail, kt.transpose(1, 2).contiguous()) + plan.tail_bias
+        ds, p = grads(s_tail, plan.tail_dest, vt, plan.tail_visible)
+        dq_parts.append((_bmm(ds, kt), plan.tail_dest, plan.row_key_tail()))
+        key_key = plan.key_key_tail()
+        dk_parts.append((_bmm(ds.transpose(1, 2).contiguous(), q_tail), plan.tail_keys, key_key))
+        do_tail = dO.index_select(0, plan.tail_dest.reshape(-1)).view(-1, plan.R, d)
+        dv_parts.append((_bmm(p.transpose(1, 2).contiguous(), do_tail), plan.tail_keys, key_key))
+
+        dq, dqb = _unrows(_ordered_sum(plan.n_rows + 1, dq_parts) * ctx.scale, plan, ctx.dtypes[0])
+        dk, dkb = _unpool(_ordered_sum(plan.pool_rows + 1, dk_parts), plan, ctx.dtypes[1])
+        dv, dvb = _unpool(_ordered_sum(plan.pool_rows + 1, dv_parts), plan, ctx.dtypes[2])
+        return None, None, None, dq, dk, dv, dqb, dkb, dvb

@@ -1,0 +1,183 @@
+"""Context-parallel ring attention (nemo_rz.parallel.context): bit-equal to single-process attention.
+
+On one process the forward equals ops.attention (consistent) bit for bit, for packed sequences of different
+lengths with GQA, and so does branch attention against ops.attention over [main keys 0..p, branch keys at p].
+Over 2 and 4 gloo processes every rank's outputs and gradients equal the one-process run's bit for bit.
+Negative controls: ops.attention in fast mode, and the ring's partials merged in arrival order instead of
+block order.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nemo_rz import ops
+from nemo_rz.parallel import context
+from nemo_rz.parallel.context import ZigzagShard, branch_attention, ring_attention
+
+LENGTHS = (70, 150, 37, 200, 9)  # packed in one row; blocks of 32 keys: 3, 5, 2, 7, 1
+HEADS, KV_HEADS, DIM, STEPS = 4, 2, 16, 2
+SCALE = DIM ** -0.5
+
+
+def _cu(lengths=LENGTHS):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    n = sum(LENGTHS)
+    r = lambda *shape: torch.randn(*shape, generator=g)
+    return (r(n, HEADS, DIM), r(n, KV_HEADS, DIM), r(n, KV_HEADS, DIM),
+            r(STEPS, n, HEADS, DIM), r(STEPS, n, KV_HEADS, DIM), r(STEPS, n, KV_HEADS, DIM))
+
+
+def _seq_pos():
+    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])
+    return seq, torch.cat([torch.arange(n) for n in LENGTHS])
+
+
+def _cache(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[S, Hkv, L, D] (L a multiple of 32, zero past each sequence) from per-sequence keys [len, Hkv, D]."""
+    length = max(r.shape[0] for r in rows)
+    length += -length % ops.KV_BLOCK
+    return torch.stack([torch.nn.functional.pad(r, (0, 0, 0, 0, 0, length - r.shape[0])).transpose(0, 1) for r in rows])
+
+
+def _reference(q, k, v, qb, kb, vb):
+    """ops.attention on one process: the packed row (one cache row per sequence), and every branch query as a
+    query at position p + j of its own sequence [main keys 0..p, branch keys 1..J at p]."""
+    cu, (seq, pos) = _cu(), _seq_pos()
+    split = lambda x: [x[a:b] for a, b in zip(cu, cu[1:])]
+    main = ops.attention(q, _cache(split(k)), _cache(split(v)), seq, pos, SCALE)
+    n = q.shape[0]
+    own = lambda x, b: [torch.cat([x[cu[s] : cu[s] + p + 1], b[:, t]]) for t, (s, p) in enumerate(zip(seq.tolist(), pos.tolist()))]
+    steps = torch.arange(1, STEPS + 1).repeat_interleave(n)
+    branch = ops.attention(qb.reshape(-1, HEADS, DIM), _cache(own(k, kb)), _cache(own(v, vb)), torch.arange(n).repeat(STEPS),
+                           pos.repeat(STEPS) + steps, SCALE)
+    return main, branch.view(STEPS, n, HEADS, DIM)
+
+
+def _grads(fn, inputs, index=None):
+    """Outputs and the gradients of a fixed random projection of them (the projection of the whole row; its
+    local tokens `index` on a rank)."""
+    xs = [x.clone().requires_grad_() for x in inputs]
+    main, branch = fn(*xs)
+    g = torch.Generator().manual_seed(1)
+    w_main, w_branch = torch.randn(sum(LENGTHS), HEADS, DIM, generator=g), torch.randn(STEPS, sum(LENGTHS), HEADS, DIM, generator=g)
+    if index is not None:
+        w_main, w_branch = w_main[index], w_branch[:, index]
+    ((main * w_main).sum() + (branch * w_branch).sum()).backward()
+    return (main.detach(), branch.detach()), [x.grad for x in xs]
+
+
+def _local(inputs, shard):
+    q, k, v, qb, kb, vb = inputs
+    i = shard.index
+    return q[i], k[i], v[i], qb[:, i], kb[:, i], vb[:, i]
+
+
+def test_one_process_equals_ops_attention():
+    inputs = _inputs()
+    shard = ZigzagShard(_cu(), 1, 0)
+    ref_main, ref_branch = _reference(*inputs)
+    main, branch = branch_attention(*inputs, shard, SCALE)
+    assert torch.equal(main, ref_main) and torch.equal(branch, ref_branch)
+    assert torch.equal(ring_attention(*inputs[:3], shard, SCALE), ref_main)
+    # Negative control: the library's standard kernels (fast mode) give other bits.
+    with ops.mode("fast"):
+        fast_main, fast_branch = _reference(*inputs)
+    assert not torch.equal(fast_main, main) and not torch.equal(fast_branch, branch)
+    # Gradients: exact for the forward's arithmetic; the library backward of ops.attention sums the same
+    # terms in other orders, so they agree to float32 rounding (measured: within 3e-7 of the largest).
+    _, ours = _grads(lambda *x: branch_attention(*x, shard, SCALE), inputs)
+    _, lib = _grads(_reference, inputs)
+    for a, b in zip(ours, lib):
+        assert (a - b).abs().max() <= 2e-6 * b.abs().max()
+
+
+def test_zigzag_balances_causal_work():
+    """Each rank holds chunks r and 2W-1-r: causal work (keys seen) per rank within 5% of the mean, where a
+    contiguous split is off by more than 50% (the negative control)."""
+    n, world = 4096, 4
+    work = [float((ZigzagShard([0, n], world, r).positions + 1).sum()) for r in range(world)]
+    mean = sum(work) / world
+    assert max(abs(w - mean) for w in work) < 0.05 * mean
+    contiguous = [float(torch.arange(r * n // world, (r + 1) * n // world).add(1).sum()) for r in range(world)]
+    assert max(abs(w - mean) for w in contiguous) > 0.5 * mean
+    # Every token on exactly one rank, and key blocks never split.
+    shards = [ZigzagShard(_cu(), world, r) for r in range(world)]
+    assert torch.equal(torch.sort(torch.cat([s.index for s in shards])).values, torch.arange(sum(LENGTHS)))
+    for s in shards:
+        assert torch.equal(torch.unique(s.slot // ops.KV_BLOCK), torch.arange(s.num_blocks))
+
+
+def test_bad_input_is_one_clear_error():
+    inputs = _inputs()
+    q, k, v = inputs[:3]
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ZigzagShard([0, 5, 5], 2, 0)
+    with pytest.raises(ValueError, match="rank 2 of world 2"):
+        ZigzagShard(_cu(), 2, 2)
+    shard = ZigzagShard(_cu(), 1, 0)
+    with pytest.raises(ValueError, match="local token count"):
+        ring_attention(q[:-1], k, v, shard, SCALE)
+    with pytest.raises(ValueError, match="non-finite"):
+        ring_attention(q.index_fill(0, torch.tensor([3]), float("nan")), k, v, shard, SCALE)
+    two = ZigzagShard(_cu(), 2, 0)
+    with pytest.raises(ValueError, match="init_process_group"):
+        ring_attention(*_local(inputs, two)[:3], two, SCALE)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        inputs = _inputs()
+        # The one-process run (already shown equal to ops.attention) is the reference for every rank.
+        (ref_main, ref_branch), ref_grads = _grads(lambda *x: branch_attention(*x, ZigzagShard(_cu(), 1, 0), SCALE), inputs)
+        shard = ZigzagShard(_cu(), world, rank)
+        i = shard.index
+        (main, branch), grads = _grads(lambda *x: branch_attention(*x, shard, SCALE), _local(inputs, shard), i)
+        assert torch.equal(main, ref_main[i]) and torch.equal(branch, ref_branch[:, i])
+        for got, ref in zip(grads, _local(ref_grads, shard)):
+            assert torch.equal(got, ref)
+        assert torch.equal(shard.gather(main), ref_main)
+        assert torch.equal(ring_attention(*_local(inputs, shard)[:3], shard, SCALE), ref_main[i])
+
+        # Negative control: the same partials merged in the order they arrived round the ring.
+        def arrival(n_rows, parts):
+            values = torch.cat([v.reshape(-1, v.shape[-1]) for v, _, _ in parts])
+            dest = torch.cat([d.reshape(-1) for _, d, _ in parts])
+            return values.new_zeros(n_rows, values.shape[-1]).index_add_(0, dest, values)
+
+        context._ordered_sum, ordered = arrival, context._ordered_sum
+        try:
+            bad = branch_attention(*_local(inputs, shard), shard, SCALE)[0]
+        finally:
+            context._ordered_sum = ordered
+        differs = torch.tensor([float(not torch.equal(bad, ref_main[i]))])
+        dist.all_reduce(differs)
+        assert differs.item() > 0, "merging in ring-arrival order should change some bits"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_over_gloo_equals_one_process(world):
+    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
