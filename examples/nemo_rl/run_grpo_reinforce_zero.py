@@ -1,0 +1,213 @@
+"""NeMo RL's GRPO with REINFORCE Zero's loss: `ReinforceZeroLossFn` where NeMo RL builds `ClippedPGLossFn`.
+
+Run it in NeMo RL's environment, from NeMo RL's checkout (examples/nemo_rl/README.md says how to install
+nemo-rz there):
+
+    uv run python /path/to/nemo-rz/examples/nemo_rl/run_grpo_reinforce_zero.py \
+        [--config examples/configs/grpo_math_1B.yaml] [--rz-config reinforce_zero.yaml] [overrides ...]
+
+NeMo RL has no loss registry: `nemo_rl.algorithms.grpo.setup()` builds `ClippedPGLossFn(loss_fn config)` and
+returns it inside a tuple (10 entries in v0.6, 13 in v0.7 and later). This driver wraps `setup`: the wrapper
+checks the config, calls NeMo RL's `setup` unchanged, and returns the same tuple with a `ReinforceZeroLossFn` in
+the one place that held the `ClippedPGLossFn`. It then runs NeMo RL's own entry point, `examples/run_grpo.py`,
+which imports `setup` when it runs and so gets the wrapper; data, cluster, generation, refit and the sync or
+async training loop all stay NeMo RL's. Read against NeMo RL v0.6.0, v0.7.0 and main of 2026-08-22.
+
+The config is NeMo RL's `--config` (default: its examples/configs/grpo_math_1B.yaml) with `--rz-config`
+(default: reinforce_zero.yaml beside this script) merged on top by NeMo RL's `defaults:` inheritance, then the
+command line's overrides, exactly as NeMo RL applies them.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import runpy
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROG = "run_grpo_reinforce_zero"
+ARCH = "NemoRZForCausalLM"  # nemo-rz's model class inside vLLM (nemo_rz.generation.vllm.ARCH)
+
+
+class KitError(ValueError):
+    """A config or a NeMo RL version this driver cannot run with; the message is one line."""
+
+
+def _get(cfg, key: str, default=None):
+    """cfg[key] for dicts (NeMo RL v0.6 configs), the attribute for pydantic models (v0.7+ MasterConfig)."""
+    return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
+
+
+def loss_from_config(master_config):
+    """The ReinforceZeroLossFn the config asks for, after checking the loss settings NeMo RL itself acts on."""
+    from nemo_rz.algorithms import ReinforceZeroLossFn
+
+    rz = _get(master_config, "reinforce_zero")
+    if not isinstance(rz, Mapping):
+        raise KitError("the config has no reinforce_zero section: merge examples/nemo_rl/reinforce_zero.yaml "
+                       "(--rz-config)")
+    loss_cfg = _get(master_config, "loss_fn", {})
+    for key, want, why in (
+        ("reference_policy_kl_penalty", 0, "REINFORCE Zero has no KL term, and NeMo RL would load a reference model"),
+        ("use_kl_in_reward", False, "NeMo RL would subtract a KL penalty from the rewards"),
+    ):
+        value = _get(loss_cfg, key, want)
+        if value != want:
+            raise KitError(f"loss_fn.{key} = {value!r}: {why}; set it to {want}")
+    token_level = _get(loss_cfg, "token_level_loss", False)
+    if not isinstance(token_level, bool):
+        raise KitError(f"loss_fn.token_level_loss = {token_level!r}: expected true or false")
+    try:
+        return ReinforceZeroLossFn(correction=rz.get("correction", "unclipped"), token_level_loss=token_level,
+                                   ratio_source=rz.get("ratio_source", "current"), **dict(rz.get("params") or {}))
+    except (ValueError, KeyError, TypeError) as e:
+        raise KitError(f"reinforce_zero: {e}") from None
+
+
+def check_generation(master_config) -> None:
+    """If the config runs nemo-rz's model in vLLM, refuse the settings that would make its recorded logprobs
+    describe another distribution or other arithmetic than the learner's; fill in the checkpoint family."""
+    from nemo_rz.ops import KV_BLOCK, MODES
+    from nemo_rz.quant.linear import Precision
+
+    policy = _get(master_config, "policy", {})
+    gen = policy.get("generation") or {}
+    kwargs = gen.get("vllm_kwargs") or {}
+    overrides = kwargs.get("hf_overrides") or {}
+    if ARCH not in (overrides.get("architectures") or []):
+        return  # NeMo RL's stock vLLM model: nothing of nemo-rz runs in vLLM
+    cfg = gen.get("vllm_cfg") or {}
+    g, c, h = "policy.generation", "policy.generation.vllm_cfg", "policy.generation.vllm_kwargs.hf_overrides"
+    rules = [
+        (f"{g}.backend", gen.get("backend"), lambda v: v == "vllm", "nemo-rz's model runs inside vLLM: set vllm"),
+        (f"{g}.temperature", gen.get("temperature"), lambda v: v == 1.0,
+         "the model already returns log_softmax(logits / nemo_rz_temperature) and NeMo RL would divide by it again "
+         "in vLLM's sampler: set 1.0"),
+        (f"{g}.top_k", gen.get("top_k"), lambda v: v in (None, 0, -1),
+         "top-k changes the distribution after the logprobs are computed: set null"),
+        (f"{g}.top_p", gen.get("top_p"), lambda v: v == 1.0,
+         "top-p changes the distribution after the logprobs are computed: set 1.0"),
+        (f"{h}.nemo_rz_temperature", overrides.get("nemo_rz_temperature", 1.0), lambda v: v == 1.0,
+         "the learner's logprobs are at generation.temperature 1.0: set 1.0"),
+        (f"{h}.nemo_rz_kernels", overrides.get("nemo_rz_kernels", "consistent"), lambda v: v in MODES,
+         f"use one of {', '.join(MODES)}"),
+        (f"{h}.nemo_rz_precision", overrides.get("nemo_rz_precision"), lambda v: not Precision.of(v).enabled,
+         "NeMo RL's learner runs unquantized linears, so quantized rollout linears would give other logprobs: set null"),
+        (f"{c}.precision", cfg.get("precision"), lambda v: v in ("float32", "bfloat16") and v == policy.get("precision"),
+         f"rollout and learner must use one dtype, float32 or bfloat16 (policy.precision is {policy.get('precision')!r})"),
+        (f"{c}.kv_cache_dtype", cfg.get("kv_cache_dtype", "auto"), lambda v: v == "auto",
+         "a quantized KV cache changes keys and values: set auto"),
+        (f"{c}.enforce_eager", cfg.get("enforce_eager", False), lambda v: v is True,
+         "CUDA graphs would capture the model's step: set true"),
+        *((f"{c}.{key}", cfg.get(key, 1), lambda v: v == 1, "nemo-rz's vLLM model runs unsharded: set 1 (one engine "
+           "per GPU)") for key in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")),
+        ("policy.generation.vllm_kwargs.block_size", kwargs.get("block_size"),
+         lambda v: isinstance(v, int) and v > 0 and v % KV_BLOCK == 0,
+         f"nemo-rz's paged attention reads whole {KV_BLOCK}-token tiles: set a multiple of {KV_BLOCK}"),
+    ]
+    for key, value, ok, why in rules:
+        if not ok(value):
+            raise KitError(f"{key} = {value!r}: {why}")
+    overrides["nemo_rz_architecture"] = checkpoint_family(policy.get("model_name"), overrides.get("nemo_rz_architecture"))
+
+
+def checkpoint_family(model_name, given):
+    """The architecture nemo-rz's Decoder must build for the checkpoint: `given`, or read from its config."""
+    from nemo_rz.models.hf_config import ARCHITECTURES
+
+    key = "policy.generation.vllm_kwargs.hf_overrides.nemo_rz_architecture"
+    if given is None:
+        from transformers import AutoConfig
+
+        try:
+            found = AutoConfig.from_pretrained(model_name).architectures or []
+        except (OSError, ValueError) as e:
+            raise KitError(f"{key} is null and the config of policy.model_name {model_name!r} cannot be read "
+                           f"({str(e).splitlines()[0]}); set it to one of {', '.join(ARCHITECTURES)}") from None
+        given = next((a for a in found if a in ARCHITECTURES), found[0] if found else None)
+    if given not in ARCHITECTURES:
+        raise KitError(f"{key} = {given!r}: nemo-rz's vLLM model builds {', '.join(ARCHITECTURES)}; use such a "
+                       "checkpoint, or drop the hf_overrides to keep NeMo RL's stock vLLM model")
+    return given
+
+
+def swap_loss(returned, clipped_cls, loss_fn):
+    """`returned` (setup's tuple) with `loss_fn` in the one place that holds a `clipped_cls` instance."""
+    where = [i for i, x in enumerate(returned)
+             if isinstance(x, clipped_cls)] if isinstance(returned, tuple) else []
+    if len(where) != 1:
+        raise KitError(f"nemo_rl.algorithms.grpo.setup returned {type(returned).__name__} with {len(where)} "
+                       f"{clipped_cls.__name__} objects, expected a tuple with one: this NeMo RL version is not "
+                       "one the driver was read against (v0.6.0 to main of 2026-08-22)")
+    return returned[:where[0]] + (loss_fn,) + returned[where[0] + 1:]
+
+
+@contextlib.contextmanager
+def reinforce_zero_setup(grpo):
+    """While active, `grpo.setup` checks the config (before NeMo RL starts any worker), runs NeMo RL's setup and
+    returns its tuple with ReinforceZeroLossFn in place of ClippedPGLossFn."""
+    original, clipped = grpo.setup, grpo.ClippedPGLossFn
+
+    @functools.wraps(original)
+    def setup(master_config, *args, **kwargs):
+        loss_fn = loss_from_config(master_config)
+        check_generation(master_config)
+        return swap_loss(original(master_config, *args, **kwargs), clipped, loss_fn)
+
+    grpo.setup = setup
+    try:
+        yield
+    finally:
+        grpo.setup = original
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="NeMo RL GRPO config (default: NeMo RL's examples/configs/grpo_math_1B.yaml)")
+    parser.add_argument("--rz-config", default=str(HERE / "reinforce_zero.yaml"), help="override merged on top")
+    parser.add_argument("--nemo-rl-script", help="NeMo RL's GRPO entry point (default: examples/run_grpo.py of "
+                                                 "the checkout nemo_rl is imported from)")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        import nemo_rl
+        from nemo_rl.algorithms import grpo
+    except ImportError as e:
+        return _fail(f"nemo_rl is not importable here ({e}); run this script in NeMo RL's environment: "
+                     f"cd NeMo-RL && uv run python {Path(__file__).resolve()} ...")
+    try:
+        import nemo_rz.algorithms  # noqa: F401
+    except ImportError as e:
+        return _fail(f"nemo_rz is not importable in NeMo RL's environment ({e}); install it there as "
+                     f"{HERE / 'README.md'} says")
+    script = Path(args.nemo_rl_script or Path(nemo_rl.__file__).resolve().parent.parent / "examples" / "run_grpo.py")
+    base = Path(args.config or script.parent / "configs" / "grpo_math_1B.yaml")
+    for flag, path in (("--nemo-rl-script", script), ("--config", base), ("--rz-config", Path(args.rz_config))):
+        if not path.is_file():
+            return _fail(f"{flag}: {path} is not a file; pass the right path with {flag}")
+    argv_before = sys.argv
+    with tempfile.TemporaryDirectory(prefix="nemo_rz_grpo_") as tmp:
+        merged = Path(tmp) / "config.yaml"  # NeMo RL's load_config merges `defaults` in order (JSON is YAML)
+        merged.write_text(json.dumps({"defaults": [str(base.resolve()), str(Path(args.rz_config).resolve())]}))
+        sys.argv = [str(script), "--config", str(merged), *overrides]
+        try:
+            with reinforce_zero_setup(grpo):
+                runpy.run_path(str(script), run_name="__main__")
+        except KitError as e:
+            return _fail(str(e))
+        finally:
+            sys.argv = argv_before
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
