@@ -322,7 +322,7 @@ def compile_only(archs):
     from triton.compiler import ASTSource
 
     import_kernels()
-    mod = {m: importlib.import_module(f"nemo_rz.kernels.{m}") for m in ("matmul", "rmsnorm", "activation", "logprobs", "attention")}
+    mod = {m: importlib.import_module(f"nemo_rz.kernels.{m}") for m in ("matmul", "rmsnorm", "activation", "logprobs", "attention", "moe")}
 
     def sig(spec, **const):
         return {k: ("constexpr" if k in const else v) for k, v in spec.items()}, const
@@ -353,13 +353,20 @@ def compile_only(archs):
                     dict(logits_ptr=p, out_ptr="*fp32", V="i32", stride_l="i32", temperature="fp32", BLOCK_V=""), BLOCK_V=4096),
                  dict(num_warps=8)),
             ]
+            ecfg = mod["moe"].expert_config(tdt, 2048, 1024)
+            jobs.append((mod["moe"]._expert_linear_kernel, *sig(
+                dict(x_ptr=p, w_ptr=p, b_ptr=p, y_ptr=p, order_ptr="*i64", tile_expert_ptr="*i64", tile_start_ptr="*i64",
+                     group_end_ptr="*i64", N="i32", K="i32", E="i32", stride_xm="i32", stride_we="i32", stride_wk="i32",
+                     stride_be="i32", stride_ym="i32", HAS_BIAS="", IEEE="", BLOCK_M="", BLOCK_N="", BLOCK_K=""),
+                HAS_BIAS=True, IEEE=dt == "fp32", BLOCK_M=ecfg.block_m, BLOCK_N=ecfg.block_n, BLOCK_K=ecfg.block_k),
+                dict(num_warps=ecfg.num_warps, num_stages=ecfg.num_stages)))
             for paged in (False, True):
                 jobs.append((mod["attention"]._attention_kernel, *sig(
                     dict(q_ptr=p, k_ptr=p, v_ptr=p, o_ptr=p, seq_ptr="*i64", pos_ptr="*i64", start_ptr="*i64",
-                         bt_ptr="*i32", scale="fp32", stride_qt="i32", stride_qh="i32", bt_stride="i32",
+                         bt_ptr="*i32", sink_ptr=p, scale="fp32", stride_qt="i32", stride_qh="i32", bt_stride="i32",
                          cache_stride0="i32", cache_stride1="i32", H="", D="", GROUP="", HAS_WINDOW="", PAGED="",
-                         PAGE_SIZE="", G_PAD="", BLOCK_D="", KV_BLOCK="", IEEE=""),
-                    H=32, D=128, GROUP=4, HAS_WINDOW=paged, PAGED=paged, PAGE_SIZE=16, G_PAD=16, BLOCK_D=128,
+                         PAGE_SIZE="", HAS_SINKS="", G_PAD="", BLOCK_D="", KV_BLOCK="", IEEE=""),
+                    H=32, D=128, GROUP=4, HAS_WINDOW=paged, PAGED=paged, PAGE_SIZE=16, HAS_SINKS=paged, G_PAD=16, BLOCK_D=128,
                     KV_BLOCK=mod["attention"].KV_BLOCK, IEEE=dt == "fp32"), dict(num_warps=4, num_stages=2)))
             for fn, signature, const, opts in jobs:
                 t = time.perf_counter()
