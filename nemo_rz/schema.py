@@ -119,6 +119,7 @@ def Str(**kw) -> Key:
 
 
 KERNEL_MODES = ("consistent", "fast")  # nemo_rz.ops.MODES
+PRECISION_RECIPES = ("none", "bf16", "fp8_current", "fp8_block", "mxfp8", "mxfp4", "nvfp4")  # nemo_rz.quant.linear.PRECISIONS
 
 SCHEMA: dict[str, Key] = {
     "seed": Int(0, MAX_SEED, fixed=True),
@@ -161,6 +162,10 @@ SCHEMA: dict[str, Key] = {
     "runtime.rollout_dtype": Choice(("float32", "bfloat16")),  # nemo_rz.models.config.DTYPES
     "runtime.crash_worker_at_batch": Int(-1, why="-1 = never"),
     "generation.backend": Choice(("builtin", "vllm")),
+    "precision.recipe": Choice(PRECISION_RECIPES, why="fp8_delayed is not offered: its amax history of earlier "
+                               "batches would make a token's bits depend on them"),
+    "precision.modules": Choice(("all", "attention", "mlp", "experts")),
+    "precision.activation_scaling": Choice(("row", "tensor"), why="tensor = TE's per-tensor amax, which breaks batch invariance"),
     "eval.every": Int(0, why="0 = only at the end"),
     "eval.n": Int(1),
     "metrics.decomposition_every": Int(0, why="0 = never"),

@@ -185,6 +185,30 @@ def test_training_updates_the_master_weights_and_the_quantized_forward_follows()
     assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32  # master weights stay high precision
 
 
+# -- the runtime: a rollout worker applies the learner's precision ------------------------------------------------
+def test_rollout_worker_runs_the_learners_recipe():
+    from nemo_rz.runtime.jobs import Job, decode_completions
+    from nemo_rz.runtime.worker import RolloutWorker
+
+    learner = _model("nvfp4")
+    config = {k: v for k, v in learner.config.to_dict().items() if k != "dtype"}
+    worker = RolloutWorker(config, "consistent", "float32", 8, 64, 1, precision={"recipe": "nvfp4"})
+    worker.load(0, learner.state_dict())
+    wire, _ = worker.run(Job(0, 0, _prompts(5, 8), 10, 1.0, seed=5, stop_token_ids=()))
+    outs = decode_completions(wire)
+    assert count_diff(learner, outs)[0] == 0
+    assert count_diff(tiny_model(), outs)[0] > 0  # negative control: an unquantized learner
+
+
+def test_the_config_offers_exactly_the_precisions():
+    from nemo_rz import schema
+
+    assert schema.PRECISION_RECIPES == PRECISIONS
+    assert schema.SCHEMA["precision.modules"]._choices() == qlinear.MODULE_SETS
+    assert schema.SCHEMA["precision.activation_scaling"]._choices() == qlinear.ACTIVATION_SCALING
+    assert "fp8_delayed" in schema.SCHEMA["precision.recipe"].expected()
+
+
 # -- refusals ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec, words", [
     ({"recipe": "fp8_delayed"}, "amax history"),

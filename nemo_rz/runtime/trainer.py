@@ -23,6 +23,7 @@ from nemo_rz.generation.packing import pack
 from nemo_rz.metrics import RunningPeakMedian, lag_histogram
 from nemo_rz.models import Decoder, DecoderConfig
 from nemo_rz.protocols import RuntimeBackendProtocol
+from nemo_rz.quant.apply import Precision, apply_precision
 from nemo_rz.runtime import checkpoint, runlock
 from nemo_rz.runtime.jobs import Job, Result, decode_completions, encode_completions
 from nemo_rz.runtime.evaluation import HeldOutEval
@@ -55,7 +56,12 @@ class Trainer:
                               chat_template=OmegaConf.select(cfg, "task.chat_template", default="auto"),
                               system_prompt=OmegaConf.select(cfg, "task.system_prompt", default=None))
         self.tok = self.task.tokenizer
-        self.model = self._build_model()
+        # Low-precision linears: the rollout workers apply the same recipe to the same master weights.
+        self.precision = Precision.of(OmegaConf.select(cfg, "precision", default=None))
+        if self.precision.enabled and OmegaConf.select(cfg, "runtime.learner", default="builtin") != "builtin":
+            raise ValueError(f"precision.recipe={self.precision.recipe} needs runtime.learner=builtin: another learner "
+                             "runs linears of its own, which the rollout engines would not match")
+        self.model = apply_precision(self._build_model(), self.precision)
         a = cfg.algo
         self.learner = Learner(self.model, a.lr, a.grad_clip, a.temperature, a.loss, a.correction, dict(a.correction_params))
         room = self.model.config.max_position_embeddings - a.max_new_tokens
@@ -128,6 +134,7 @@ class Trainer:
             kernels=r.rollout_kernels or self.cfg.kernels, dtype=r.rollout_dtype,
             max_batch_size=a.prompts_per_update * a.group_size, max_model_len=self.max_model_len, threads=r.worker_threads,
             generation_backend=self.generation_backend, temperature=a.temperature,
+            precision=self.precision.as_dict(),
         )
         if r.backend == "local":
             from nemo_rz.runtime.local import LocalBackend

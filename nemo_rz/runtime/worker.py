@@ -9,15 +9,18 @@ from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.models import Decoder, DecoderConfig
 from nemo_rz.protocols import RolloutEngineProtocol
+from nemo_rz.quant.apply import apply_precision
 from nemo_rz.runtime.jobs import Job, encode_completions
 
 
 class RolloutWorker:
     """generation_backend: "builtin" (nemo_rz's RolloutEngine) or "vllm" (VLLMRolloutEngine: vLLM running the same
-    Decoder and ops, built on the first weights it is given; `temperature` is its engine-wide temperature)."""
+    Decoder and ops, built on the first weights it is given; `temperature` is its engine-wide temperature).
+    precision: the learner's `precision.*` (nemo_rz.quant), applied to the engine's model so that both sides
+    quantize the same master weights alike."""
 
     def __init__(self, model_config: dict, kernels: str, dtype: str, max_batch_size: int, max_model_len: int, threads: int,
-                 generation_backend: str = "builtin", temperature: float = 1.0):
+                 generation_backend: str = "builtin", temperature: float = 1.0, precision: dict | None = None):
         torch.set_num_threads(threads)
         ops.set_mode(kernels)
         cfg = DecoderConfig.from_dict({**model_config, "dtype": dtype})
@@ -25,11 +28,12 @@ class RolloutWorker:
         self.loaded: int | None = None  # the engine starts with random weights, not version 0
         self.engine: RolloutEngineProtocol | None
         if generation_backend == "builtin":
-            self.engine = RolloutEngine(Decoder(cfg).eval(), max_batch_size=max_batch_size, max_model_len=max_model_len)
+            model = apply_precision(Decoder(cfg).eval(), precision)
+            self.engine = RolloutEngine(model, max_batch_size=max_batch_size, max_model_len=max_model_len)
         elif generation_backend == "vllm":
             self.engine = None  # built on the first load(), from the weights it must start with
             self._vllm_args = dict(config=cfg, max_batch_size=max_batch_size, max_model_len=max_model_len,
-                                   temperature=temperature, kernels=kernels, multiprocess=False)
+                                   temperature=temperature, kernels=kernels, multiprocess=False, precision=precision)
         else:
             raise ValueError(f"generation.backend = {generation_backend!r}: use builtin or vllm")
 

