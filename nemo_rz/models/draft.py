@@ -164,10 +164,10 @@ class DraftHead(nn.Module):
         pos = positions.reshape(-1)
         q, k = ops.rope(q, pos, c.rope_theta), ops.rope(k, pos, c.rope_theta)
         group = c.num_heads // c.num_kv_heads
-        shape = lambda t: t.view(b, length, -1, c.head_dim).transpose(1, 2).repeat_interleave(group, dim=1)
-        q = shape(q)
-        keys.append(shape(k))
-        values.append(shape(v))
+        heads = lambda t: t.view(b, length, -1, c.head_dim).transpose(1, 2)  # [B, heads, T, D]
+        q = heads(q)
+        keys.append(heads(k).repeat_interleave(group, dim=1))
+        values.append(heads(v).repeat_interleave(group, dim=1))
         scale = c.head_dim ** -0.5
         main = (q @ keys[0].transpose(-1, -2)) * scale  # [B, H, T, T]: root t sees step-1 entries 0..t
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()

@@ -1,0 +1,74 @@
+"""Online draft co-training: the draft learns from the features the learner's RL forward already computed.
+
+Each update hands the draft the batch's auxiliary-layer features (detached: no gradient reaches the policy)
+and the batch's tokens; the draft takes one step of its own Adam on its training-time-test loss. A frozen
+draft (mode "frozen") only reports the same numbers.
+
+The acceptance numbers are estimates from the batch itself: the rollout sampled each completion token x from
+the target p, so mean(min(1, q(x) / p(x))) over the batch estimates the acceptance rate sum_x min(p, q) of
+rejection sampling at that draft step (q: the draft's distribution at the teacher-forced prefix).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nemo_rz.errors import DivergenceError
+from nemo_rz.models.draft import DraftHead, expected_tokens_per_pass
+
+MODES = ("off", "cotrain", "frozen")
+
+
+def summary(metrics: dict[str, float], k: int) -> dict[str, float]:
+    """Per-step numbers -> the logged ones: draft_loss, draft_accept_rate (accepted / proposed),
+    draft_accepted_len (accepted draft tokens per verify pass) and draft_tokens_per_pass (what one target pass
+    emits: the ideal speed-up, before the draft's own cost)."""
+    steps = sorted(int(key.rsplit("_", 1)[1]) for key in metrics if key.startswith("draft_loss_"))
+    out = {"draft_loss": sum(metrics[f"draft_loss_{s}"] for s in steps) / len(steps)} if steps else {}
+    accept = [metrics[f"draft_accept_{s}"] for s in steps if f"draft_accept_{s}" in metrics]
+    if accept:
+        accept = (accept + [accept[-1]] * k)[:k]  # steps past the trained depth: as the deepest trained one
+        per_pass = expected_tokens_per_pass(accept)
+        out.update(draft_accept_rate=(per_pass - 1) / k, draft_accepted_len=per_pass - 1, draft_tokens_per_pass=per_pass)
+    return out
+
+
+class DraftTrainer:
+    def __init__(self, draft: DraftHead, mode: str, lr: float, loss_weight: float, steps: int, k: int,
+                 grad_clip: float | None = None):
+        if mode not in MODES[1:]:
+            raise ValueError(f"draft.mode = {mode!r}: a DraftTrainer is for cotrain or frozen")
+        if steps < 1:
+            raise ValueError(f"draft.steps = {steps}: must be >= 1")
+        self.draft, self.mode, self.steps, self.k = draft, mode, steps, k
+        self.loss_weight, self.grad_clip = loss_weight, grad_clip
+        self.opt = torch.optim.Adam(draft.parameters(), lr=lr) if mode == "cotrain" else None
+
+    def step(self, target, aux: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor, temperature: float,
+             rollout_logprobs: torch.Tensor | None = None, what: str = "draft") -> dict[str, float]:
+        """One co-training step (cotrain) or only its numbers (frozen); returns the summary metrics."""
+        train = self.opt is not None
+        self.draft.train(train)
+        with torch.enable_grad() if train else torch.no_grad():
+            loss, m = self.draft.training_loss(target, aux.detach(), input_ids, mask, self.steps, temperature, rollout_logprobs)
+        if loss is not None and train:
+            if not torch.isfinite(loss):
+                raise DivergenceError(f"{what}: the draft's loss is {loss.item()}")
+            self.opt.zero_grad(set_to_none=True)
+            (self.loss_weight * loss).backward()
+            norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.grad_clip or math.inf)
+            if not torch.isfinite(norm):
+                raise DivergenceError(f"{what}: the draft's gradient norm is {norm.item()}")
+            self.opt.step()
+        self.draft.eval()
+        return summary(m, self.k)
+
+    def state_dict(self) -> dict:
+        return self.opt.state_dict() if self.opt is not None else {}
+
+    def load_state_dict(self, state: dict, lr: float) -> None:
+        if self.opt is not None and state:
+            self.opt.load_state_dict(state)
+            for g in self.opt.param_groups:
+                g["lr"] = lr
