@@ -281,10 +281,14 @@ def test_checks_refuse_what_breaks_the_contract(ckpt, override, key):
 
 def test_stock_vllm_model_needs_no_generation_checks(ckpt):
     # without nemo-rz's model in vLLM (hf_overrides dropped) only the loss settings matter
-    cfg = merged_config(ckpt, "policy.generation.temperature=0.7")
+    cfg = merged_config(ckpt, "policy.generation.temperature=0.7", "policy.generation.vllm_cfg.logprobs_mode=raw_logprobs")
     cfg["policy"]["generation"]["vllm_kwargs"] = {}
     driver.check_generation(cfg)
     assert driver.loss_from_config(cfg).correction == "unclipped"
+    # but raw_logits, right for nemo-rz's model (it returns log-probabilities), records a stock model's raw logits
+    cfg["policy"]["generation"]["vllm_cfg"]["logprobs_mode"] = "raw_logits"
+    with pytest.raises(driver.KitError, match="logprobs_mode = 'raw_logits' without nemo-rz's model"):
+        driver.check_generation(cfg)
 
 
 def test_swap_loss_on_both_tuple_shapes():

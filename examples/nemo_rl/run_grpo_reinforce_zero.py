@@ -79,9 +79,12 @@ def check_generation(master_config) -> None:
     gen = policy.get("generation") or {}
     kwargs = gen.get("vllm_kwargs") or {}
     overrides = kwargs.get("hf_overrides") or {}
-    if ARCH not in (overrides.get("architectures") or []):
-        return  # NeMo RL's stock vLLM model: nothing of nemo-rz runs in vLLM
     cfg = gen.get("vllm_cfg") or {}
+    if ARCH not in (overrides.get("architectures") or []):  # NeMo RL's stock vLLM model: nothing of nemo-rz in vLLM
+        if cfg.get("logprobs_mode") == "raw_logits":
+            raise KitError("policy.generation.vllm_cfg.logprobs_mode = 'raw_logits' without nemo-rz's model in vLLM "
+                           "would record vLLM's raw logits as logprobs: set processed_logprobs")
+        return
     g, c, h = "policy.generation", "policy.generation.vllm_cfg", "policy.generation.vllm_kwargs.hf_overrides"
     rules = [
         (f"{g}.backend", gen.get("backend"), lambda v: v == "vllm", "nemo-rz's model runs inside vLLM: set vllm"),
