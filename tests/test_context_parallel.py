@@ -105,14 +105,17 @@ def test_one_process_equals_ops_attention():
 
 
 def test_zigzag_balances_causal_work():
-    """Each rank holds chunks r and 2W-1-r: causal work (keys seen) per rank within 5% of the mean, where a
-    contiguous split is off by more than 50% (the negative control)."""
+    """Each rank holds chunks c and 2W-1-c of a sequence: causal work (keys seen) per rank within 5% of the mean,
+    where a contiguous split is off by more than 50% (the negative control)."""
     n, world = 4096, 4
     work = [float((ZigzagShard([0, n], world, r).positions + 1).sum()) for r in range(world)]
     mean = sum(work) / world
     assert max(abs(w - mean) for w in work) < 0.05 * mean
     contiguous = [float(torch.arange(r * n // world, (r + 1) * n // world).add(1).sum()) for r in range(world)]
     assert max(abs(w - mean) for w in contiguous) > 0.5 * mean
+    # Short sequences (one block each) are dealt round the ranks, not piled on one.
+    short = [ZigzagShard([0, *range(20, 20 * 65, 20)], world, r).index.shape[0] for r in range(world)]
+    assert short == [16 * 20] * world
     # Every token on exactly one rank, and key blocks never split.
     shards = [ZigzagShard(_cu(), world, r) for r in range(world)]
     assert torch.equal(torch.sort(torch.cat([s.index for s in shards])).values, torch.arange(sum(LENGTHS)))

@@ -1,9 +1,10 @@
 """Context parallelism: zigzag ring attention over packed sequences, with branch attention for a draft.
 
 Sharding (`ZigzagShard`). A packed row holds sequences back to back (`cu_seqlens`). Each sequence is cut into
-blocks of KV_BLOCK tokens, its blocks into 2W chunks of nearly equal size, and rank r holds chunks r and
-2W-1-r: under a causal mask chunk r's queries see few keys and chunk 2W-1-r's many, so the work is balanced.
-A key block never straddles two ranks.
+blocks of KV_BLOCK tokens, its blocks into 2W chunks of nearly equal size, and rank r holds chunks c and
+2W-1-c with c = (r + s) mod W for sequence s: under a causal mask chunk c's queries see few keys and chunk
+2W-1-c's many, so the work is balanced; the rotation by s deals sequences shorter than 2W blocks round the
+ranks instead of piling them on one. A key block never straddles two ranks.
 
 Arithmetic. Each output row is computed exactly as ops.attention's consistent path computes it on one process
 (see its docstring): scores of row tiles [R, D] against key blocks [D, KV_BLOCK] by torch.bmm on one thread,
@@ -72,7 +73,8 @@ class ZigzagShard:
         for q in range(world):
             rows = []
             for s, nb in enumerate(blocks):
-                for c in (q, 2 * world - 1 - q):
+                first_chunk = (q + s) % world  # rotated per sequence, so that short sequences go round the ranks
+                for c in (first_chunk, 2 * world - 1 - first_chunk):
                     rows += [(s, b, first[s] + b) for b in range(c * nb // (2 * world), (c + 1) * nb // (2 * world))]
             self.blocks_of.append(torch.tensor(rows, dtype=torch.long).view(-1, 3))
         mine = self.blocks_of[rank]
@@ -283,11 +285,17 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _ordered_sum(n_rows: int, parts) -> torch.Tensor:
     """Sum of partial rows into n_rows rows: parts are (values [P, r, C], dest rows [P, r], key [P]); the
     contributions to a row are added one after another (index_add_) in increasing key, starting from zeros."""
-    values = torch.cat([v.reshape(-1, v.shape[-1]) for v, _, _ in parts])
     dest = torch.cat([d.reshape(-1) for _, d, _ in parts])
     key = torch.cat([k[:, None].expand(d.shape).reshape(-1) for _, d, k in parts])
     order = torch.argsort(key, stable=True)
-    return values.new_zeros(n_rows, values.shape[-1]).index_add_(0, dest[order], values[order])
+    place = torch.empty_like(order).index_copy_(0, order, torch.arange(order.shape[0]))
+    width = parts[0][0].shape[-1]
+    values, start = parts[0][0].new_empty(order.shape[0], width), 0
+    for v, _, _ in parts:  # each part straight to its sorted place: one copy
+        n = v.numel() // width
+        values.index_copy_(0, place[start : start + n], v.reshape(n, width))
+        start += n
+    return values.new_zeros(n_rows, width).index_add_(0, dest[order], values)
 
 
 def _ring(tensors: list[torch.Tensor], plan: _Plan, group):
@@ -425,7 +433,7 @@ class _BranchAttention(torch.autograd.Function):
             p = torch.exp(shifted.clamp(min=_EXP_FLOOR))
             if visible is not None:
                 p = p * visible
-            dp = _bmm(dO.index_select(0, rows.reshape(-1)).view(-1, plan.R, d), vp.transpose(1, 2).contiguous())
+            dp = _bmm(dO.index_select(0, rows.reshape(-1)).view(-1, plan.R, d), vp.transpose(1, 2))
             dp = dp - delta.index_select(0, rows.reshape(-1)).view(*rows.shape, 1)
             return p * dp * (shifted >= _EXP_FLOOR), p  # no gradient where the exp's input was clamped
 
@@ -441,7 +449,7 @@ class _BranchAttention(torch.autograd.Function):
                 ds, p = ds.view(pairs.n, plan.rows_g, KV_BLOCK), p.view(pairs.n, plan.rows_g, KV_BLOCK)
                 dq_parts.append((_bmm(ds, kp), rows, plan.row_key_full(pairs)))
                 dog = dO.index_select(0, rows.reshape(-1)).view(pairs.n, plan.rows_g, d)
-                dkv = torch.stack([_bmm(ds.transpose(1, 2).contiguous(), qg), _bmm(p.transpose(1, 2).contiguous(), dog)], 1)
+                dkv = torch.stack([_bmm(ds.transpose(1, 2), qg), _bmm(p.transpose(1, 2), dog)], 1)
                 if src == plan.rank:
                     dk_parts.append((dkv[:, 0], plan.key_rows(pairs), plan.key_key_full(pairs)))
                     dv_parts.append((dkv[:, 1], plan.key_rows(pairs), plan.key_key_full(pairs)))
@@ -464,9 +472,9 @@ class _BranchAttention(torch.autograd.Function):
         ds, p = grads(s_tail, plan.tail_dest, vt, plan.tail_visible)
         dq_parts.append((_bmm(ds, kt), plan.tail_dest, plan.row_key_tail()))
         key_key = plan.key_key_tail()
-        dk_parts.append((_bmm(ds.transpose(1, 2).contiguous(), q_tail), plan.tail_keys, key_key))
+        dk_parts.append((_bmm(ds.transpose(1, 2), q_tail), plan.tail_keys, key_key))
         do_tail = dO.index_select(0, plan.tail_dest.reshape(-1)).view(-1, plan.R, d)
-        dv_parts.append((_bmm(p.transpose(1, 2).contiguous(), do_tail), plan.tail_keys, key_key))
+        dv_parts.append((_bmm(p.transpose(1, 2), do_tail), plan.tail_keys, key_key))
 
         dq, dqb = _unrows(_ordered_sum(plan.n_rows + 1, dq_parts) * ctx.scale, plan, ctx.dtypes[0])
         dk, dkb = _unpool(_ordered_sum(plan.pool_rows + 1, dk_parts), plan, ctx.dtypes[1])
