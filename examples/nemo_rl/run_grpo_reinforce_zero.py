@@ -73,7 +73,6 @@ def check_generation(master_config) -> None:
     """If the config runs nemo-rz's model in vLLM, refuse the settings that would make its recorded logprobs
     describe another distribution or other arithmetic than the learner's; fill in the checkpoint family."""
     from nemo_rz.ops import KV_BLOCK, MODES
-    from nemo_rz.quant.linear import Precision
 
     policy = _get(master_config, "policy", {})
     gen = policy.get("generation") or {}
@@ -86,6 +85,7 @@ def check_generation(master_config) -> None:
                            "would record vLLM's raw logits as logprobs: set processed_logprobs")
         return
     g, c, h = "policy.generation", "policy.generation.vllm_cfg", "policy.generation.vllm_kwargs.hf_overrides"
+    learner_dtype = policy.get("precision")
     rules = [
         (f"{g}.backend", gen.get("backend"), lambda v: v == "vllm", "nemo-rz's model runs inside vLLM: set vllm"),
         (f"{g}.temperature", gen.get("temperature"), lambda v: v == 1.0,
@@ -99,10 +99,10 @@ def check_generation(master_config) -> None:
          "the learner's logprobs are at generation.temperature 1.0: set 1.0"),
         (f"{h}.nemo_rz_kernels", overrides.get("nemo_rz_kernels", "consistent"), lambda v: v in MODES,
          f"use one of {', '.join(MODES)}"),
-        (f"{h}.nemo_rz_precision", overrides.get("nemo_rz_precision"), lambda v: not Precision.of(v).enabled,
-         "NeMo RL's learner runs unquantized linears, so quantized rollout linears would give other logprobs: set null"),
-        (f"{c}.precision", cfg.get("precision"), lambda v: v in ("float32", "bfloat16") and v == policy.get("precision"),
-         f"rollout and learner must use one dtype, float32 or bfloat16 (policy.precision is {policy.get('precision')!r})"),
+        (f"{h}.nemo_rz_precision", overrides.get("nemo_rz_precision"), _unquantized,
+         "NeMo RL's learner runs unquantized linears; quantized rollout linears would give other logprobs: set null"),
+        (f"{c}.precision", cfg.get("precision"), lambda v: v in ("float32", "bfloat16") and v == learner_dtype,
+         f"rollout and learner must use one dtype, float32 or bfloat16 (policy.precision is {learner_dtype!r})"),
         (f"{c}.kv_cache_dtype", cfg.get("kv_cache_dtype", "auto"), lambda v: v == "auto",
          "a quantized KV cache changes keys and values: set auto"),
         (f"{c}.enforce_eager", cfg.get("enforce_eager", False), lambda v: v is True,
@@ -116,7 +116,17 @@ def check_generation(master_config) -> None:
     for key, value, ok, why in rules:
         if not ok(value):
             raise KitError(f"{key} = {value!r}: {why}")
-    overrides["nemo_rz_architecture"] = checkpoint_family(policy.get("model_name"), overrides.get("nemo_rz_architecture"))
+    overrides["nemo_rz_architecture"] = checkpoint_family(policy.get("model_name"),
+                                                          overrides.get("nemo_rz_architecture"))
+
+
+def _unquantized(spec) -> bool:
+    from nemo_rz.quant.linear import Precision
+
+    try:
+        return not Precision.of(spec).enabled
+    except (TypeError, ValueError):
+        return False
 
 
 def checkpoint_family(model_name, given):
