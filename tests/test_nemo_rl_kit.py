@@ -294,6 +294,10 @@ def test_stock_vllm_model_needs_no_generation_checks(ckpt):
     cfg["policy"]["generation"]["vllm_cfg"]["logprobs_mode"] = "raw_logits"
     with pytest.raises(driver.KitError, match="logprobs_mode = 'raw_logits' without nemo-rz's model"):
         driver.check_generation(cfg)
+    # and top-k / top-p stay refused: NeMo RL's learner would zero the logprobs of sampled tokens outside its set
+    cfg["policy"]["generation"].update(top_k=20, vllm_cfg={"logprobs_mode": "processed_logprobs"})
+    with pytest.raises(driver.KitError, match="top_k = 20"):
+        driver.check_generation(cfg)
 
 
 def test_swap_loss_on_both_tuple_shapes():

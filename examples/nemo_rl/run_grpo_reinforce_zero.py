@@ -70,8 +70,9 @@ def loss_from_config(master_config):
 
 
 def check_generation(master_config) -> None:
-    """If the config runs nemo-rz's model in vLLM, refuse the settings that would make its recorded logprobs
-    describe another distribution or other arithmetic than the learner's; fill in the checkpoint family."""
+    """Refuse sampling that leaves the importance weights without full-vocabulary logprobs; if the config runs
+    nemo-rz's model in vLLM, also the settings that would make its recorded logprobs describe another distribution
+    or other arithmetic than the learner's, and fill in the checkpoint family."""
     from nemo_rz.ops import KV_BLOCK, MODES
 
     policy = _get(master_config, "policy", {})
@@ -79,22 +80,26 @@ def check_generation(master_config) -> None:
     kwargs = gen.get("vllm_kwargs") or {}
     overrides = kwargs.get("hf_overrides") or {}
     cfg = gen.get("vllm_cfg") or {}
+    g, c, h = "policy.generation", "policy.generation.vllm_cfg", "policy.generation.vllm_kwargs.hf_overrides"
+    # Importance weights need full-vocabulary logprobs on both sides; with top-k / top-p NeMo RL's learner
+    # renormalises over the kept set and zeroes the logprob of a sampled token outside it, unseen by the loss.
+    _refuse([
+        (f"{g}.top_k", gen.get("top_k"), lambda v: v in (None, 0, -1),
+         "top-k changes the distribution the logprobs describe, and NeMo RL's learner would zero some: set null"),
+        (f"{g}.top_p", gen.get("top_p"), lambda v: v == 1.0,
+         "top-p changes the distribution the logprobs describe, and NeMo RL's learner would zero some: set 1.0"),
+    ])
     if ARCH not in (overrides.get("architectures") or []):  # NeMo RL's stock vLLM model: nothing of nemo-rz in vLLM
         if cfg.get("logprobs_mode") == "raw_logits":
             raise KitError("policy.generation.vllm_cfg.logprobs_mode = 'raw_logits' without nemo-rz's model in vLLM "
                            "would record vLLM's raw logits as logprobs: set processed_logprobs")
         return
-    g, c, h = "policy.generation", "policy.generation.vllm_cfg", "policy.generation.vllm_kwargs.hf_overrides"
     learner_dtype = policy.get("precision")
-    rules = [
+    _refuse([
         (f"{g}.backend", gen.get("backend"), lambda v: v == "vllm", "nemo-rz's model runs inside vLLM: set vllm"),
         (f"{g}.temperature", gen.get("temperature"), lambda v: v == 1.0,
          "the model already returns log_softmax(logits / nemo_rz_temperature) and NeMo RL would divide by it again "
          "in vLLM's sampler: set 1.0"),
-        (f"{g}.top_k", gen.get("top_k"), lambda v: v in (None, 0, -1),
-         "top-k changes the distribution after the logprobs are computed: set null"),
-        (f"{g}.top_p", gen.get("top_p"), lambda v: v == 1.0,
-         "top-p changes the distribution after the logprobs are computed: set 1.0"),
         (f"{h}.nemo_rz_temperature", overrides.get("nemo_rz_temperature", 1.0), lambda v: v == 1.0,
          "the learner's logprobs are at generation.temperature 1.0: set 1.0"),
         (f"{h}.nemo_rz_kernels", overrides.get("nemo_rz_kernels", "consistent"), lambda v: v in MODES,
@@ -112,12 +117,16 @@ def check_generation(master_config) -> None:
         ("policy.generation.vllm_kwargs.block_size", kwargs.get("block_size"),
          lambda v: isinstance(v, int) and v > 0 and v % KV_BLOCK == 0,
          f"nemo-rz's paged attention reads whole {KV_BLOCK}-token tiles: set a multiple of {KV_BLOCK}"),
-    ]
+    ])
+    overrides["nemo_rz_architecture"] = checkpoint_family(policy.get("model_name"),
+                                                          overrides.get("nemo_rz_architecture"))
+
+
+def _refuse(rules) -> None:
+    """rules: (dotted key, value, ok(value), why and what to set); the first value that is not ok is refused."""
     for key, value, ok, why in rules:
         if not ok(value):
             raise KitError(f"{key} = {value!r}: {why}")
-    overrides["nemo_rz_architecture"] = checkpoint_family(policy.get("model_name"),
-                                                          overrides.get("nemo_rz_architecture"))
 
 
 def _unquantized(spec) -> bool:
