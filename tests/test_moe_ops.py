@@ -324,6 +324,20 @@ def test_one_plan_serves_layers_with_different_windows():
                     assert torch.equal(ops.attention(q, k, v, seq, pos, scale, w, plan=per_window[w]), expect[w])
 
 
+def test_attention_sinks_paged_cache_equals_contiguous():
+    q, k, v, sinks, seq, pos = attention_inputs(29)
+    block = 16  # [num_blocks, Hkv, block, D], blocks shuffled
+    n_blocks = 3 * 96 // block
+    perm = torch.randperm(n_blocks, generator=gen(30))
+    k_paged, v_paged = (c.reshape(3, KV_HEADS, -1, block, DIM).transpose(1, 2).reshape(n_blocks, KV_HEADS, block, DIM)[perm]
+                        for c in (k, v))
+    table = torch.empty(n_blocks, dtype=torch.long)
+    table[perm] = torch.arange(n_blocks)
+    for window in (None, 9):
+        assert torch.equal(ops.attention(q, k_paged, v_paged, seq, pos, DIM ** -0.5, window, table.view(3, -1), sinks=sinks),
+                           ops.attention(q, k, v, seq, pos, DIM ** -0.5, window, sinks=sinks))
+
+
 def test_attention_sinks_shape_error():
     q, k, v, sinks, seq, pos = attention_inputs(27)
     with pytest.raises(ValueError, match="one logit per query head"):
