@@ -28,7 +28,7 @@ MAX_SEED = 99_999_999  # rollout seeds are (seed * 1_000_003 + update) * 65_536 
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    kind: str  # int | float | bool | str | choice | mapping
+    kind: str  # int | float | bool | str | choice | mapping | ints (a list of integers, each in range)
     lo: float | None = None  # inclusive, or exclusive when lo_open
     hi: float | None = None
     lo_open: bool = False
@@ -50,7 +50,8 @@ class Key:
             else:
                 text = noun
         else:
-            text = {"bool": "true or false", "str": "a string", "mapping": "a mapping of keys"}[self.kind]
+            text = {"bool": "true or false", "str": "a string", "mapping": "a mapping of keys",
+                    "ints": f"a non-empty list of integers >= {self.lo}"}[self.kind]
         if self.optional:
             text += f", or null{' ' + self.null_means if self.null_means else ''}"
         return text + (f" ({self.why})" if self.why else "")
@@ -73,6 +74,9 @@ class Key:
             return isinstance(value, str) or type(value) is int  # run_dir=2024 arrives as an int
         if self.kind == "mapping":
             return isinstance(value, dict)
+        if self.kind == "ints":
+            return (isinstance(value, list) and len(value) > 0
+                    and all(type(v) is int and (self.lo is None or v >= self.lo) for v in value))
         if self.kind == "choice":
             return any(value == c and type(value) is type(c) for c in self._choices())
         if isinstance(value, bool) or not isinstance(value, int if self.kind == "int" else (int, float)):
@@ -168,6 +172,15 @@ SCHEMA: dict[str, Key] = {
     "precision.activation_scaling": Choice(("row", "tensor"), why="tensor = TE's per-tensor amax, which breaks batch invariance"),
     "eval.every": Int(0, why="0 = only at the end"),
     "eval.n": Int(1),
+    "draft.mode": Choice(("off", "cotrain", "frozen", False), fixed=True,  # nemo_rz.algorithms.draft.MODES
+                         why="YAML reads a bare off as false, which means off too"),
+    "draft.aux_layers": Key("ints", 0, optional=True, null_means="for EAGLE-3's low, middle and high layers", fixed=True),
+    "draft.num_layers": Int(1, fixed=True),
+    "draft.steps": Int(1, why="training-time-test steps, each fed by the one before"),
+    "draft.k": Int(1, 16, why="draft tokens proposed per target pass"),
+    "draft.lr": Positive(),
+    "draft.loss_weight": Positive(),
+    "draft.checkpoint": Str(optional=True, null_means="(draft.mode=frozen needs one)", fixed=True),
     "metrics.decomposition_every": Int(0, why="0 = never"),
     "metrics.tensorboard": Bool(),
     "checkpoint.every": Int(0, why="0 = never"),

@@ -42,7 +42,7 @@ class DraftTrainer:
         if steps < 1:
             raise ValueError(f"draft.steps = {steps}: must be >= 1")
         self.draft, self.mode, self.steps, self.k = draft, mode, steps, k
-        self.loss_weight, self.grad_clip = loss_weight, grad_clip
+        self.lr, self.loss_weight, self.grad_clip = lr, loss_weight, grad_clip
         self.opt = torch.optim.Adam(draft.parameters(), lr=lr) if mode == "cotrain" else None
 
     def step(self, target, aux: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor, temperature: float,
@@ -67,8 +67,9 @@ class DraftTrainer:
     def state_dict(self) -> dict:
         return self.opt.state_dict() if self.opt is not None else {}
 
-    def load_state_dict(self, state: dict, lr: float) -> None:
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the draft's optimizer; draft.lr as configured now replaces the saved learning rate."""
         if self.opt is not None and state:
             self.opt.load_state_dict(state)
             for g in self.opt.param_groups:
-                g["lr"] = lr
+                g["lr"] = self.lr

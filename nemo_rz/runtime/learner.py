@@ -11,6 +11,7 @@ from nemo_rz.errors import DivergenceError
 from nemo_rz.generation.packing import Packed
 from nemo_rz.metrics import decomposition
 from nemo_rz.models import Decoder
+from nemo_rz.models.draft import aux_features, split_state, with_draft
 
 LOSSES = plugins.names("loss")  # every registered loss: the built-ins (reinforce_zero, ppo_clip), then plugins'
 # What the trainer reads from a loss's metrics (docs/plugins.md: a plugin loss must report them too).
@@ -45,6 +46,7 @@ class Learner:
         self.opt = torch.optim.Adam(model.parameters(), lr=lr)
         self.grad_clip, self.temperature, self.loss = grad_clip, temperature, loss
         self.correction, self.correction_params = correction, dict(correction_params)
+        self.draft = None  # a nemo_rz.algorithms.draft.DraftTrainer when a draft is co-trained (or evaluated)
 
     @contextlib.contextmanager
     def supervised(self, lr: float):
@@ -57,18 +59,24 @@ class Learner:
             self.opt = torch.optim.Adam(self.model.parameters(), lr=self.lr)
 
     def optimizer_state(self) -> dict:
-        return self.opt.state_dict()
+        state = self.opt.state_dict()
+        return state if self.draft is None else {**state, "draft": self.draft.state_dict()}
 
     def load_optimizer_state(self, state: dict, lr: float) -> None:
         """Restore a saved optimizer; `lr` replaces the saved learning rate (a resume may lower it)."""
+        state = dict(state)
+        draft_state = state.pop("draft", None)
+        if self.draft is not None and draft_state is not None:
+            self.draft.load_state_dict(draft_state)
         self.opt.load_state_dict(state)
         self.lr = lr
         for g in self.opt.param_groups:
             g["lr"] = lr
 
     def state_dict_copy(self) -> dict[str, torch.Tensor]:
-        """A snapshot of the current weights (a published version must not change under a reader)."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """A snapshot of the current weights (a published version must not change under a reader); a draft's
+        weights travel in it under `draft.`."""
+        return with_draft({k: v.detach().clone() for k, v in self.model.state_dict().items()}, self.draft and self.draft.draft)
 
     def _apply(self, loss: torch.Tensor, what: str) -> float:
         """Step on `loss`; DivergenceError on a non-finite loss or gradient norm, or on weights that the step
@@ -94,7 +102,9 @@ class Learner:
     def rl_step(self, batch: Packed, advantages: torch.Tensor, what: str = "RL update") -> tuple[dict[str, float], torch.Tensor]:
         """One update; returns its metrics and the learner logprobs it used (detached, pre-update weights)."""
         self.model.train()
-        lp = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature)
+        draft = self.draft
+        with aux_features(self.model, draft.draft.aux_layers) if draft else contextlib.nullcontext([]) as found:
+            lp = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature)
         nan = int(torch.isnan(lp.detach()[batch.mask.bool()]).sum())
         if nan:  # the learner's own numbers broke (a mismatch with the rollout would give finite or -inf values)
             raise DivergenceError(f"{what}: the learner's logprobs are NaN on {nan} token(s) (weight norm {weight_norm(self.model):.3g})")
@@ -102,6 +112,8 @@ class Learner:
         missing = [k for k in LOSS_METRICS if k not in m]
         if missing:
             raise ValueError(f"loss {self.loss!r} reported no {', '.join(missing)} in its metrics; see docs/plugins.md")
+        if draft is not None:  # this forward's features, detached: no second target pass, no gradient to the policy
+            m.update(draft.step(self.model, found[0], batch.input_ids, batch.mask, self.temperature, batch.rollout_logprobs, what))
         m["grad_norm"] = self._apply(loss, what)
         return m, lp.detach()
 
@@ -119,7 +131,7 @@ class Learner:
         self.model.eval()
         now = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature) if current_lp is None else current_lp
         current = {k: v.clone() for k, v in self.model.state_dict().items()}
-        self.model.load_state_dict(weights_at_rollout)
+        self.model.load_state_dict(split_state(weights_at_rollout)[0])
         then = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature)
         self.model.load_state_dict(current)
         return decomposition(batch.rollout_logprobs, now, then, batch.mask)

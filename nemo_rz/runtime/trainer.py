@@ -18,10 +18,12 @@ from omegaconf import OmegaConf
 
 from nemo_rz import ops
 from nemo_rz.algorithms import group_advantages
+from nemo_rz.algorithms.draft import DraftTrainer
 from nemo_rz.errors import DivergenceError
 from nemo_rz.generation.packing import pack
 from nemo_rz.metrics import RunningPeakMedian, lag_histogram
 from nemo_rz.models import Decoder, DecoderConfig
+from nemo_rz.models.draft import DraftHead, load_draft, split_state
 from nemo_rz.protocols import RuntimeBackendProtocol
 from nemo_rz.quant.apply import Precision, apply_precision
 from nemo_rz.runtime import checkpoint, runlock
@@ -69,6 +71,7 @@ class Trainer:
             raise ValueError(f"algo.max_new_tokens = {a.max_new_tokens} leaves no room for a prompt in the model's "
                              f"{self.model.config.max_position_embeddings} positions; lower it")
         self.max_model_len = self.task.validate(max_prompt_tokens=room) + a.max_new_tokens  # every prompt, before work
+        self.draft = self._build_draft()  # before any work: a bad draft setting is one line
         self.version = 0
         self.history: dict[int, dict[str, torch.Tensor]] = {}  # versions a future batch may still need
         self.pending: dict[int, Result] = {}
@@ -107,6 +110,28 @@ class Trainer:
         )
         return Decoder(cfg)
 
+    def _build_draft(self) -> DraftTrainer | None:
+        """draft.mode=cotrain: a fresh draft trained on each RL batch's features; frozen: a saved one, only
+        evaluated; both ship with every weight version. Older runs lack the keys: no draft."""
+        d = OmegaConf.select(self.cfg, "draft", default=None)
+        mode = (d.mode or "off") if d is not None else "off"
+        if mode == "off":
+            return None
+        if self.generation_backend != "builtin":
+            raise ValueError(f"draft.mode = {mode}: speculative rollouts run in the built-in engine only (the nemo-rz "
+                             "draft is not wired into vLLM's EAGLE drafter); use generation.backend=builtin or draft.mode=off")
+        if not isinstance(self.learner, Learner):
+            raise ValueError(f"draft.mode = {mode}: the draft trains beside the built-in learner; use runtime.learner=builtin")
+        if mode == "frozen":
+            if d.checkpoint is None:
+                raise ValueError("draft.mode = frozen needs draft.checkpoint (a draft saved with nemo_rz.models.draft.save_draft)")
+            head = load_draft(d.checkpoint, self.model)
+        else:
+            head = DraftHead(self.model.config, d.aux_layers, d.num_layers)
+        trainer = DraftTrainer(head, mode, d.lr, d.loss_weight, d.steps, d.k, self.cfg.algo.grad_clip)
+        self.learner.draft = trainer
+        return trainer
+
     def _warmup(self) -> None:
         w = self.cfg.warmup
         try:
@@ -134,6 +159,8 @@ class Trainer:
             kernels=r.rollout_kernels or self.cfg.kernels, dtype=r.rollout_dtype,
             max_batch_size=a.prompts_per_update * a.group_size, max_model_len=self.max_model_len, threads=r.worker_threads,
             generation_backend=self.generation_backend, temperature=a.temperature,
+            draft=None if self.draft is None else dict(aux_layers=list(self.draft.draft.aux_layers),
+                                                       num_layers=len(self.draft.draft.layers), k=self.draft.k),
             precision=self.precision.as_dict(),
         )
         if r.backend == "local":
@@ -239,6 +266,7 @@ class Trainer:
             rollout_tokens_per_s=res.tokens / max(res.seconds, 1e-9), learner_tokens_per_s=tokens / max(learn_s, 1e-9),
             queue_wait_s=self.queue_wait, elapsed_s=time.time() - self.start_time,
         )
+        record.update({k: v for k, v in metrics.items() if k.startswith("draft_")})
         every = self.cfg.metrics.decomposition_every
         if every and (u % every == 0) and res.version in self.history:
             d = self.learner.decompose(batch, self.history[res.version], lp)
@@ -264,7 +292,10 @@ class Trainer:
             self.metrics_log.keep_until(self.version)
             return False
         path, (weights, history, opt_state, st) = found
+        weights, draft_weights = split_state(weights)
         self.model.load_state_dict(weights)
+        if self.draft is not None and draft_weights is not None:
+            self.draft.draft.load_state_dict(draft_weights)
         self.learner.load_optimizer_state(opt_state, self.cfg.algo.lr)  # honour algo.lr set on resume
         self.version, self.lags = st["version"], st["lags"]
         self.heldout.load_state_dict(st)

@@ -7,7 +7,9 @@ import torch
 
 from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
+from nemo_rz.generation.speculative import Speculator
 from nemo_rz.models import Decoder, DecoderConfig
+from nemo_rz.models.draft import DraftHead
 from nemo_rz.protocols import RolloutEngineProtocol
 from nemo_rz.quant.apply import apply_precision
 from nemo_rz.runtime.jobs import Job, encode_completions
@@ -17,19 +19,27 @@ class RolloutWorker:
     """generation_backend: "builtin" (nemo_rz's RolloutEngine) or "vllm" (VLLMRolloutEngine: vLLM running the same
     Decoder and ops, built on the first weights it is given; `temperature` is its engine-wide temperature).
     precision: the learner's `precision.*` (nemo_rz.quant), applied to the engine's model so that both sides
-    quantize the same master weights alike."""
+    quantize the same master weights alike. draft: {aux_layers, num_layers, k} for speculative rollouts (built-in
+    engine; the draft's weights arrive with each weight version), or None."""
 
     def __init__(self, model_config: dict, kernels: str, dtype: str, max_batch_size: int, max_model_len: int, threads: int,
-                 generation_backend: str = "builtin", temperature: float = 1.0, precision: dict | None = None):
+                 generation_backend: str = "builtin", temperature: float = 1.0, precision: dict | None = None,
+                 draft: dict | None = None):
         torch.set_num_threads(threads)
         ops.set_mode(kernels)
         cfg = DecoderConfig.from_dict({**model_config, "dtype": dtype})
         self.dtype = cfg.torch_dtype
         self.loaded: int | None = None  # the engine starts with random weights, not version 0
         self.engine: RolloutEngineProtocol | None
+        if draft is not None and generation_backend != "builtin":
+            raise ValueError("draft.mode: speculative rollouts run in the built-in engine; use generation.backend=builtin")
         if generation_backend == "builtin":
             model = apply_precision(Decoder(cfg).eval(), precision)
-            self.engine = RolloutEngine(model, max_batch_size=max_batch_size, max_model_len=max_model_len)
+            speculator = None
+            if draft is not None:
+                speculator = Speculator(DraftHead(cfg, draft["aux_layers"], draft["num_layers"]), draft["k"])
+            self.engine = RolloutEngine(model, max_batch_size=max_batch_size, max_model_len=max_model_len,
+                                        speculator=speculator)
         elif generation_backend == "vllm":
             self.engine = None  # built on the first load(), from the weights it must start with
             self._vllm_args = dict(config=cfg, max_batch_size=max_batch_size, max_model_len=max_model_len,
