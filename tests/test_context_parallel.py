@@ -140,47 +140,54 @@ def test_bad_input_is_one_clear_error():
         ring_attention(*_local(inputs, two)[:3], two, SCALE)
 
 
-def _free_port() -> int:
+def run_ranks(fn, world: int) -> None:
+    """fn(rank, world) in `world` spawned processes joined in a gloo group on 127.0.0.1, 1 torch thread each
+    (a failed assertion in any of them fails the caller)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    mp.spawn(_in_group, args=(world, port, fn), nprocs=world, join=True)
 
 
-def _worker(rank: int, world: int, port: int) -> None:
+def _in_group(rank: int, world: int, port: int, fn) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        inputs = _inputs()
-        # The one-process run (already shown equal to ops.attention) is the reference for every rank.
-        (ref_main, ref_branch), ref_grads = _grads(lambda *x: branch_attention(*x, ZigzagShard(_cu(), 1, 0), SCALE), inputs)
-        shard = ZigzagShard(_cu(), world, rank)
-        i = shard.index
-        (main, branch), grads = _grads(lambda *x: branch_attention(*x, shard, SCALE), _local(inputs, shard), i)
-        assert torch.equal(main, ref_main[i]) and torch.equal(branch, ref_branch[:, i])
-        for got, ref in zip(grads, _local(ref_grads, shard)):
-            assert torch.equal(got, ref)
-        assert torch.equal(shard.gather(main), ref_main)
-        assert torch.equal(ring_attention(*_local(inputs, shard)[:3], shard, SCALE), ref_main[i])
-
-        # Negative control: the same partials merged in the order they arrived round the ring.
-        def arrival(n_rows, parts):
-            values = torch.cat([v.reshape(-1, v.shape[-1]) for v, _, _ in parts])
-            dest = torch.cat([d.reshape(-1) for _, d, _ in parts])
-            return values.new_zeros(n_rows, values.shape[-1]).index_add_(0, dest, values)
-
-        context._ordered_sum, ordered = arrival, context._ordered_sum
-        try:
-            bad = branch_attention(*_local(inputs, shard), shard, SCALE)[0]
-        finally:
-            context._ordered_sum = ordered
-        differs = torch.tensor([float(not torch.equal(bad, ref_main[i]))])
-        dist.all_reduce(differs)
-        assert differs.item() > 0, "merging in ring-arrival order should change some bits"
+        fn(rank, world)
     finally:
         dist.destroy_process_group()
 
 
+def _worker(rank: int, world: int) -> None:
+    inputs = _inputs()
+    # The one-process run (already shown equal to ops.attention) is the reference for every rank.
+    (ref_main, ref_branch), ref_grads = _grads(lambda *x: branch_attention(*x, ZigzagShard(_cu(), 1, 0), SCALE), inputs)
+    shard = ZigzagShard(_cu(), world, rank)
+    i = shard.index
+    (main, branch), grads = _grads(lambda *x: branch_attention(*x, shard, SCALE), _local(inputs, shard), i)
+    assert torch.equal(main, ref_main[i]) and torch.equal(branch, ref_branch[:, i])
+    for got, ref in zip(grads, _local(ref_grads, shard)):
+        assert torch.equal(got, ref)
+    assert torch.equal(shard.gather(main), ref_main)
+    assert torch.equal(ring_attention(*_local(inputs, shard)[:3], shard, SCALE), ref_main[i])
+
+    # Negative control: the same partials merged in the order they arrived round the ring.
+    def arrival(n_rows, parts):
+        values = torch.cat([v.reshape(-1, v.shape[-1]) for v, _, _ in parts])
+        dest = torch.cat([d.reshape(-1) for _, d, _ in parts])
+        return values.new_zeros(n_rows, values.shape[-1]).index_add_(0, dest, values)
+
+    context._ordered_sum, ordered = arrival, context._ordered_sum
+    try:
+        bad = branch_attention(*_local(inputs, shard), shard, SCALE)[0]
+    finally:
+        context._ordered_sum = ordered
+    differs = torch.tensor([float(not torch.equal(bad, ref_main[i]))])
+    dist.all_reduce(differs)
+    assert differs.item() > 0, "merging in ring-arrival order should change some bits"
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_over_gloo_equals_one_process(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+    run_ranks(_worker, world)

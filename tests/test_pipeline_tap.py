@@ -8,18 +8,15 @@ features delivered under the other micro-batch's tag change the draft loss.
 """
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nemo_rz import ops
 from nemo_rz.models import Decoder, DecoderConfig
 from nemo_rz.models.draft import DraftHead, aux_features
 from nemo_rz.parallel.pipeline import Pipeline, TapChannel, embedded, stage_layers
+from test_context_parallel import run_ranks
 
 AUX, STEPS, MICRO = (0, 2, 3), 2, 2
 
@@ -86,45 +83,33 @@ def test_bad_settings():
         Pipeline(model).step(ids, 3, _policy_loss)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, world: int) -> None:
+    ref, ref_model, ref_draft = _one_process()
+    channel_group = dist.new_group(backend="gloo")  # the tap channel's own: never the schedule's
+    model, draft, ids = _setup()
+    tap = TapChannel(AUX, 4, world, consumer=world - 1, group=channel_group)
+    out = Pipeline(model, dist.group.WORLD, tap).step(ids, MICRO, _policy_loss, _draft_loss(model, draft))
+    mine = set(stage_layers(4, world, rank))
+    grads = _grads(model)
+    expected = {n for n in ref_model if (n.startswith("model.layers.") and int(n.split(".")[2]) in mine)
+                or (rank == 0 and "embed_tokens" in n) or (rank == world - 1 and not n.startswith("model.layers.") and "embed_tokens" not in n)}
+    assert set(grads) == expected
+    for n, g in grads.items():
+        assert torch.equal(g, ref_model[n]), n
+    if rank == world - 1:
+        assert out == ref
+        got = _grads(draft)
+        assert got.keys() == ref_draft.keys() and all(torch.equal(got[n], ref_draft[n]) for n in got)
 
-
-def _worker(rank: int, world: int, port: int) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        ref, ref_model, ref_draft = _one_process()
-        channel_group = dist.new_group(backend="gloo")  # the tap channel's own: never the schedule's
-        model, draft, ids = _setup()
-        tap = TapChannel(AUX, 4, world, consumer=world - 1, group=channel_group)
-        out = Pipeline(model, dist.group.WORLD, tap).step(ids, MICRO, _policy_loss, _draft_loss(model, draft))
-        mine = set(stage_layers(4, world, rank))
-        grads = _grads(model)
-        expected = {n for n in ref_model if (n.startswith("model.layers.") and int(n.split(".")[2]) in mine)
-                    or (rank == 0 and "embed_tokens" in n) or (rank == world - 1 and not n.startswith("model.layers.") and "embed_tokens" not in n)}
-        assert set(grads) == expected
-        for n, g in grads.items():
-            assert torch.equal(g, ref_model[n]), n
-        if rank == world - 1:
-            assert out == ref
-            got = _grads(draft)
-            assert got.keys() == ref_draft.keys() and all(torch.equal(got[n], ref_draft[n]) for n in got)
-
-        # Negative control: the consumer reads each micro-batch's remote features under the other's tag.
-        model, draft, ids = _setup()
-        tap = TapChannel(AUX, 4, world, consumer=world - 1, group=channel_group)
-        if rank == world - 1:
-            tap._tag = lambda mb, index: (MICRO - 1 - mb) * len(AUX) + index
-        bad = Pipeline(model, dist.group.WORLD, tap).step(ids, MICRO, _policy_loss, _draft_loss(model, draft))
-        if rank == world - 1:
-            assert bad["loss"] == ref["loss"] and bad["draft_loss"] != ref["draft_loss"]
-    finally:
-        dist.destroy_process_group()
+    # Negative control: the consumer reads each micro-batch's remote features under the other's tag.
+    model, draft, ids = _setup()
+    tap = TapChannel(AUX, 4, world, consumer=world - 1, group=channel_group)
+    if rank == world - 1:
+        tap._tag = lambda mb, index: (MICRO - 1 - mb) * len(AUX) + index
+    bad = Pipeline(model, dist.group.WORLD, tap).step(ids, MICRO, _policy_loss, _draft_loss(model, draft))
+    if rank == world - 1:
+        assert bad["loss"] == ref["loss"] and bad["draft_loss"] != ref["draft_loss"]
 
 
 def test_two_stages_over_gloo_equal_one_process():
-    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+    run_ranks(_worker, 2)
