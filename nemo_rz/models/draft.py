@@ -181,6 +181,24 @@ class DraftHead(nn.Module):
         x = x + a.o_proj(out).view(b, length, -1)
         return x + block.mlp(block.post_attention_layernorm(x))
 
+    def branches(self, target: Decoder, aux: torch.Tensor, input_ids: torch.Tensor, steps: int):
+        """Yield (s, hidden [B, T, H]) for s = 1..steps: step s of the branch rooted at every position t (token
+        t + s in, position t + s - 1), step 1 fed by the target features aux [B * T, len(aux_layers) * H]."""
+        if steps < 1:
+            raise ValueError(f"draft.steps = {steps}: must be >= 1")
+        b, length = input_ids.shape
+        feature = self.fc(aux.view(b, length, -1))
+        keys = [[] for _ in self.layers]
+        values = [[] for _ in self.layers]
+        for s in range(1, steps + 1):
+            tokens = F.pad(input_ids[:, s:], (0, s))  # root t reads token t + s (0 past the end: never a target)
+            positions = (torch.arange(length, device=input_ids.device) + s - 1).expand(b, length)
+            x = self._input(target, feature.reshape(b * length, -1), tokens.reshape(-1)).view(b, length, -1)
+            for i, block in enumerate(self.layers):
+                x = self._layer(block, x, positions, keys[i], values[i])
+            feature = x  # the next step reads this step's hidden state
+            yield s, x
+
     def training_loss(self, target: Decoder, aux: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
                       steps: int, temperature: float = 1.0, rollout_logprobs: torch.Tensor | None = None):
         """Mean over steps of the cross-entropy of step s's prediction of token t + s + 1 (where `mask`
@@ -193,20 +211,8 @@ class DraftHead(nn.Module):
         if steps < 1:
             raise ValueError(f"draft.steps = {steps}: must be >= 1")
         b, length = input_ids.shape
-        aux = aux.view(b, length, -1)
-        feature = self.fc(aux)
-        keys = [[] for _ in self.layers]
-        values = [[] for _ in self.layers]
         total, metrics = 0.0, {}
-        for s in range(1, steps + 1):
-            if s >= length - 1:
-                break
-            tokens = F.pad(input_ids[:, s:], (0, s))  # root t reads token t + s (0 past the end: never a target)
-            positions = (torch.arange(length, device=input_ids.device) + s - 1).expand(b, length)
-            x = self._input(target, feature.reshape(b * length, -1), tokens.reshape(-1)).view(b, length, -1)
-            for i, block in enumerate(self.layers):
-                x = self._layer(block, x, positions, keys[i], values[i])
-            feature = x  # the next step reads this step's hidden state
+        for s, x in self.branches(target, aux, input_ids, min(steps, length - 2)) if length > 2 else ():
             # Root t predicts token t + s + 1: mask index t + s.
             valid = F.pad(mask[:, s:].bool(), (0, s + 1))
             rows = valid.reshape(-1).nonzero().squeeze(1)
