@@ -65,7 +65,34 @@ def write_plots(run_dir: Path) -> list[Path]:
     path = out_dir / "training.png"
     fig.savefig(path, dpi=80)
     plt.close(fig)
-    return [path]
+    paths = [path]
+    if any("draft_loss" in r for r in rows):
+        paths.append(_draft_plots(plt, rows, out_dir))
+    return paths
+
+
+DRAFT_PANELS = [
+    ("draft_loss", "draft loss (mean over training-time-test steps)"),
+    ("draft_accept_rate", "draft acceptance rate (estimated on the batch)"),
+    ("draft_tokens_per_pass", "tokens per target pass (estimated)"),
+    ("rollout_tokens_per_s", "rollout tokens/s (speculative)"),
+]
+
+
+def _draft_plots(plt, rows: list[dict], out_dir: Path) -> Path:
+    """The draft's numbers per update (draft.mode=cotrain or frozen)."""
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    for ax, (key, title) in zip(axes.flat, DRAFT_PANELS):
+        pts = [(r["update"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None)
+        ax.set_title(title)
+        ax.set_xlabel("update")
+    fig.tight_layout()
+    path = out_dir / "speculative.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
 
 
 def main(argv=None) -> int:
