@@ -200,6 +200,26 @@ def test_moe_combine_gradients_and_shape_error():
         ops.moe_combine(torch.zeros(9, 3), torch.zeros(5, 2), e)
 
 
+def test_moe_layer_token_is_the_same_bits_in_any_batch_and_fast_control():
+    """The ops composed as a MoE layer (softmax router, top-2, gate/up, SwiGLU, down, combine): a token's output
+    is the same bits alone, in a batch of 64 and in shuffled sub-batches whose expert loads all differ."""
+    g = gen(31)
+    hidden, router = torch.randn(64, K_IN, generator=g), torch.randn(E, K_IN, generator=g) / K_IN ** 0.5
+    gate_up, down = torch.randn(E, K_IN, 2 * N_OUT, generator=g) / 8, torch.randn(E, N_OUT, K_IN, generator=g) / 10
+
+    def layer(x):
+        weights, experts = ops.route_topk(ops.softmax(ops.linear(x, router)), 2)
+        rows, flat = x.repeat_interleave(2, dim=0), experts.reshape(-1)
+        h = ops.expert_linear(rows, flat, gate_up)
+        y = ops.expert_linear(ops.silu_and_mul(h[:, :N_OUT], h[:, N_OUT:]), flat, down)
+        return ops.moe_combine(y, weights, experts)
+
+    assert invariant(layer, (hidden,))
+    assert torch.equal(torch.cat([layer(hidden[i : i + 1]) for i in range(64)]), layer(hidden))
+    with ops.mode("fast"):
+        assert not invariant(layer, (hidden,))
+
+
 # --------------------------------------------------------------------------------------------- activations
 LIMIT, ALPHA = 7.0, 1.702
 
