@@ -80,9 +80,17 @@ def _grads(fn, inputs, index=None):
 
 
 def _local(inputs, shard):
-    q, k, v, qb, kb, vb = inputs
+    """The shard's tokens of main inputs [N, ...] and branch inputs [J, N, ...]."""
     i = shard.index
-    return q[i], k[i], v[i], qb[:, i], kb[:, i], vb[:, i]
+    return [x[i] if n < 3 else x[:, i] for n, x in enumerate(inputs)]
+
+
+def _attention_grads(inputs, shard):
+    """ring_attention's output and the gradients of its sum (every token's weight is 1, on any rank)."""
+    xs = [x.clone().requires_grad_() for x in inputs]
+    out = ring_attention(*xs, shard, SCALE)
+    out.sum().backward()
+    return out.detach(), [x.grad for x in xs]
 
 
 def test_one_process_equals_ops_attention():
@@ -171,6 +179,13 @@ def _worker(rank: int, world: int) -> None:
         assert torch.equal(got, ref)
     assert torch.equal(shard.gather(main), ref_main)
     assert torch.equal(ring_attention(*_local(inputs, shard)[:3], shard, SCALE), ref_main[i])
+
+    # Two one-block sequences over `world` ranks: some ranks hold no tokens and still take part in the rings.
+    cu, small = [0, 20, 45], [x[:45] for x in inputs[:3]]
+    few = ZigzagShard(cu, world, rank)
+    ref, ref_grads = _attention_grads(small, ZigzagShard(cu, 1, 0))
+    got, got_grads = _attention_grads(_local(small, few), few)
+    assert torch.equal(got, ref[few.index]) and all(torch.equal(a, b[few.index]) for a, b in zip(got_grads, ref_grads))
 
     # Negative control: the same partials merged in the order they arrived round the ring.
     def arrival(n_rows, parts):

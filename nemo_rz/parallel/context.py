@@ -214,7 +214,7 @@ class _Plan:
         """Rank-local pairs: each block's main queries against the block itself (causal), and each position's
         branch queries against the blocks of [main keys of the block up to p, branch keys at p]. Per pair:
         rows / dest [P, R], keys [P, KV_BLOCK] (pool rows), count [P, R] (visible keys: a prefix), the
-        block's global id, its block index within the row's key sequence, and its rank among its block's tails."""
+        block's global id, its block index within the row's key sequence, and its ordinal among its block's tails."""
         J, g, H, nbl = self.steps, self.g, self.kv_heads, self.nbl
         off = torch.arange(KV_BLOCK)
         parts = []
@@ -242,14 +242,14 @@ class _Plan:
             keys = torch.where(v <= o_, self._pool(0, a_, v.clamp(max=KV_BLOCK - 1), h_),
                                torch.where(v <= o_ + J, self._pool((v - o_).clamp(1, J), a_, o_, h_), self.pool_rows))
             count = (o_ + 1 + step - tb[:, None] * KV_BLOCK).clamp(0, KV_BLOCK)
-            rank = KV_BLOCK * g // R + (o * tail_blocks + tb) * n_tiles + tt
-            parts.append((a, rows, dest, keys, count, 1 + tb, rank))
-        a, self.tail_rows, self.tail_dest, self.tail_keys, count, self.tail_block, self.tail_rank = (torch.cat(x) for x in zip(*parts))
+            ordinal = KV_BLOCK * g // R + (o * tail_blocks + tb) * n_tiles + tt
+            parts.append((a, rows, dest, keys, count, 1 + tb, ordinal))
+        a, self.tail_rows, self.tail_dest, self.tail_keys, count, self.tail_block, self.tail_ordinal = (torch.cat(x) for x in zip(*parts))
         self.tail_gid = mine[a, 2]
         self.tail_visible = (off < count[..., None]).float()  # [P, R, KV_BLOCK]
         self.tail_bias = torch.zeros_like(self.tail_visible).masked_fill_(self.tail_visible == 0, float("-inf"))
         self.tail_stride = 2 + (self.tail_block.max().item() if self.tail_block.numel() else 0)
-        self.tail_ranks = 1 + (self.tail_rank.max().item() if self.tail_rank.numel() else 0)
+        self.tail_ordinals = 1 + (self.tail_ordinal.max().item() if self.tail_ordinal.numel() else 0)
 
     # Ordering keys. Per query row: key blocks in increasing order (full blocks by global id, then the row's
     # tail blocks). Per key row: contributions by query block, full pair first, then the block's tails.
@@ -260,10 +260,10 @@ class _Plan:
         return self.tail_gid * self.tail_stride + self.tail_block
 
     def key_key_full(self, pairs: _Pairs) -> torch.Tensor:
-        return pairs.a_gid * (1 + self.tail_ranks)
+        return pairs.a_gid * (1 + self.tail_ordinals)
 
     def key_key_tail(self) -> torch.Tensor:
-        return self.tail_gid * (1 + self.tail_ranks) + 1 + self.tail_rank
+        return self.tail_gid * (1 + self.tail_ordinals) + 1 + self.tail_ordinal
 
 
 @functools.lru_cache(maxsize=8)
@@ -316,7 +316,7 @@ def _ring(tensors: list[torch.Tensor], plan: _Plan, group):
 
 def _blocks(pool: torch.Tensor, plan: _Plan) -> torch.Tensor:
     """The main keys (or values) of the local blocks as [nb_max, KV_BLOCK, Hkv, D] (zero blocks past nbl)."""
-    main = pool[: plan.nbl * KV_BLOCK * plan.kv_heads].view(plan.nbl, KV_BLOCK, plan.kv_heads, -1)
+    main = pool[: plan.nbl * KV_BLOCK * plan.kv_heads].view(plan.nbl, KV_BLOCK, plan.kv_heads, pool.shape[-1])
     return F.pad(main, (0, 0, 0, 0, 0, 0, 0, plan.nb_max - plan.nbl)).contiguous()
 
 
