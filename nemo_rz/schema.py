@@ -165,6 +165,11 @@ SCHEMA: dict[str, Key] = {
     "runtime.rollout_kernels": Choice(KERNEL_MODES, optional=True, null_means="for the same as kernels"),
     "runtime.rollout_dtype": Choice(("float32", "bfloat16")),  # nemo_rz.models.config.DTYPES
     "runtime.crash_worker_at_batch": Int(-1, why="-1 = never"),
+    "runtime.learner": Choice(("builtin", "megatron"), fixed=True, why="megatron needs the megatron extra"),
+    "megatron.tp": Int(1, fixed=True, why="tensor-parallel ranks"),
+    "megatron.pp": Int(1, 1, fixed=True, why="pipeline parallelism is not supported yet"),
+    "megatron.dp": Int(1, fixed=True, why="data-parallel ranks"),
+    "megatron.grad_shares": Int(1, optional=True, null_means="for megatron.dp", fixed=True),
     "generation.backend": Choice(("builtin", "vllm")),
     "precision.recipe": Choice(PRECISION_RECIPES, why="fp8_delayed is not offered: its amax history of earlier "
                                "batches would make a token's bits depend on them"),

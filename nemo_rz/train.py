@@ -20,13 +20,42 @@ from nemo_rz.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED, Argu
 from nemo_rz.runtime import runlock
 
 
-def _prepare(argv) -> tuple:
-    """The validated config and its run directory. A new run writes config.yaml now; a resumed run only
-    once its checkpoint is restored (run()), so that a refused resume leaves the run directory untouched."""
+def _args(argv):
     ap = ArgumentParser(prog="python -m nemo_rz.train", description=__doc__.split("\n")[0])
     ap.add_argument("--config", help="YAML file, or a preset name such as smollm2_arith, merged over conf/default.yaml (on resume: over the run's config)")
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. algo.max_lag=8 runtime.rollout_workers=2")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _launch(argv) -> int | None:
+    """runtime.learner=megatron over several processes: start them and return the job's exit code, or serve
+    rank 0's learner calls (a rank other than 0); None: this process runs the trainer."""
+    args = _args(argv)
+    cfg = config_lib.load(args.config, args.overrides)
+    if OmegaConf.select(cfg, "runtime.learner") != "megatron":
+        return None
+    from nemo_rz.runtime.megatron import launch
+
+    rank, world = launch.this_rank(), launch.world_size(cfg)
+    if rank is None and world > 1:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        run_dir = cfg.resume or cfg.run_dir
+        if run_dir is None:  # every rank must agree on it
+            run_dir = f"runs/{cfg.task.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            argv.append(f"run_dir={run_dir}")
+        return launch.start([sys.executable, "-m", "nemo_rz.train", *argv], world, run_dir)
+    if rank:
+        launch.follow(cfg)
+        return 0
+    if rank == 0:
+        launch.lead()
+    return None
+
+
+def _prepare(argv) -> tuple:
+    """The validated config and its run directory. A new run writes config.yaml now; a resumed run only
+    once its checkpoint is restored (run()), so that a refused resume leaves the run directory untouched."""
+    args = _args(argv)
     cfg = config_lib.load(args.config, args.overrides, log=print)
     if cfg.resume:
         run_dir = Path(cfg.resume)
@@ -106,6 +135,9 @@ def main(argv=None) -> int:
     """Every failure a user can cause is one line on stderr: bad input exit 2, divergence 3, Ctrl-C 130."""
     run_dir = None
     try:
+        launched = _launch(argv)
+        if launched is not None:
+            return launched
         cfg, run_dir = _prepare(argv)
         summary = run(cfg, run_dir)
     except KeyboardInterrupt:

@@ -65,7 +65,12 @@ class Trainer:
                              "runs linears of its own, which the rollout engines would not match")
         self.model = apply_precision(self._build_model(), self.precision)
         a = cfg.algo
-        self.learner = Learner(self.model, a.lr, a.grad_clip, a.temperature, a.loss, a.correction, dict(a.correction_params))
+        if OmegaConf.select(cfg, "runtime.learner", default="builtin") == "megatron":
+            from nemo_rz.runtime.megatron.learner import from_config  # imports megatron-core
+
+            self.learner = from_config(cfg, self.model)  # self.model then mirrors its weights (held-out eval)
+        else:
+            self.learner = Learner(self.model, a.lr, a.grad_clip, a.temperature, a.loss, a.correction, dict(a.correction_params))
         room = self.model.config.max_position_embeddings - a.max_new_tokens
         if room < 1:
             raise ValueError(f"algo.max_new_tokens = {a.max_new_tokens} leaves no room for a prompt in the model's "
@@ -296,6 +301,8 @@ class Trainer:
         self.model.load_state_dict(weights)
         if self.draft is not None and draft_weights is not None:
             self.draft.draft.load_state_dict(draft_weights)
+        if self.learner.model is not self.model:  # a learner with its own copy (runtime.learner=megatron)
+            self.learner.load_weights(weights)
         self.learner.load_optimizer_state(opt_state, self.cfg.algo.lr)  # honour algo.lr set on resume
         self.version, self.lags = st["version"], st["lags"]
         self.heldout.load_state_dict(st)

@@ -6,6 +6,7 @@ nothing listens on a network interface (the launcher, launch.py, sets the enviro
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import operator
 import os
@@ -35,12 +36,16 @@ def init(tp: int, pp: int, dp: int, seed: int = 0) -> None:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         store_path = os.environ.get(ENV_STORE) or os.path.join(tempfile.mkdtemp(prefix="nemo_rz_dist_"), "store")
         store = dist.FileStore(store_path, world)
-        dist.init_process_group(backend(), store=store, rank=rank, world_size=world)
+        # Ranks wait for rank 0 between calls (rollouts, evaluation) for as long as it takes; a rank that dies is
+        # noticed by the launcher, not by a timeout.
+        dist.init_process_group(backend(), store=store, rank=rank, world_size=world, timeout=datetime.timedelta(days=1))
     world = dist.get_world_size()
     if tp * pp * dp != world:
         raise ValueError(f"megatron.tp x megatron.pp x megatron.dp = {tp} x {pp} x {dp} = {tp * pp * dp}, but the job has "
                          f"{world} process(es); launch with the train CLI, which starts tp x pp x dp processes")
     if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() == tp:
+            return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if not torch.cuda.is_available():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,12 @@ def check_supported(cfg: DecoderConfig, fast: bool) -> None:
 
 
 def transformer_config(cfg: DecoderConfig, tp: int) -> TransformerConfig:
+    with warnings.catch_warnings():  # a deprecation notice about CUDA graphs, which the learner does not use
+        warnings.filterwarnings("ignore", message="full scope is deprecated")
+        return _transformer_config(cfg, tp)
+
+
+def _transformer_config(cfg: DecoderConfig, tp: int) -> TransformerConfig:
     return TransformerConfig(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
@@ -95,9 +102,11 @@ class MegatronPolicy(nn.Module):
         self.padded_vocab = -(-cfg.vocab_size // self.tp_size) * self.tp_size  # Megatron splits the vocabulary evenly
         mcfg = transformer_config(cfg, self.tp_size)
         tied = cfg.tie_word_embeddings
-        self.gpt = GPTModel(mcfg, layer_spec(cfg, self.fast), vocab_size=self.padded_vocab,
-                            max_sequence_length=cfg.max_position_embeddings, position_embedding_type="none",
-                            share_embeddings_and_output_weights=tied, parallel_output=True)
+        with warnings.catch_warnings():  # advice for CUDA streams (Megatron's own layers at tp > 1)
+            warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
+            self.gpt = GPTModel(mcfg, layer_spec(cfg, self.fast), vocab_size=self.padded_vocab,
+                                max_sequence_length=cfg.max_position_embeddings, position_embedding_type="none",
+                                share_embeddings_and_output_weights=tied, parallel_output=True)
         if not self.fast:
             self.gpt.output_layer = layers.ColumnLinear(cfg.hidden_size, self.padded_vocab, config=mcfg,
                                                         skip_weight_param_allocation=tied, tp_group=self.tp)

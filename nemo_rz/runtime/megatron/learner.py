@@ -1,0 +1,218 @@
+"""The Megatron learner: runtime.Learner's loss and update (the same code) on a Megatron GPTModel, over
+tp x dp processes.
+
+Rank 0 runs the trainer and drives the learner; with more than one process, every learner call on rank 0 is
+first sent to the other ranks (`collective`), which run the same call on their part of the model (`serve`):
+the model's collectives then pair up. What differs from the built-in learner is only what tensor parallelism
+changes: the gradient norm and the weight norm are sums over the ranks' shards, qk-norm weights (shared by
+heads that live on different ranks) get their gradients summed over the ranks, and the optimizer state is one
+per rank. A Decoder (`mirror`) on rank 0 follows every update, for held-out evaluation with the built-in engine.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from nemo_rz.errors import DivergenceError
+from nemo_rz.models import Decoder, DecoderConfig
+from nemo_rz.parallel.tensor import all_gather_sum
+from nemo_rz.runtime.learner import MAX_WEIGHT_GROWTH, Learner
+from nemo_rz.runtime.megatron import distributed
+from nemo_rz.runtime.megatron.data_parallel import DataParallel
+from nemo_rz.runtime.megatron.model import MegatronPolicy
+
+_SHARED_ACROSS_HEADS = ("q_layernorm", "k_layernorm")  # replicated weights applied to each rank's own heads
+PEER_LOSS_GRACE_S = 10.0
+
+
+def collective(method):
+    """On rank 0 of a multi-process learner, send the call to the other ranks before running it."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if not self.commanding:
+            return method(self, *args, **kwargs)
+        self.commanding = False  # calls made inside this one are not sent again
+        try:
+            dist.broadcast_object_list([(method.__name__, args, kwargs)], src=0)
+            return method(self, *args, **kwargs)
+        except RuntimeError:
+            # A rank that died breaks the collectives here first. The launcher has seen it die and is stopping
+            # this process, to report it in one line: give it that time before reporting an error of our own.
+            time.sleep(PEER_LOSS_GRACE_S)
+            raise
+        finally:
+            self.commanding = True
+
+    return run
+
+
+class MegatronLearner(Learner):
+    def __init__(self, mirror: Decoder | None, tp: int, pp: int, dp: int, grad_shares: int | None, lr: float,
+                 grad_clip: float | None, temperature: float, loss: str, correction: str, correction_params: dict,
+                 seed: int = 0, _init: tuple | None = None):
+        distributed.init(tp, pp, dp, seed)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        args = (tp, pp, dp, grad_shares, lr, grad_clip, temperature, loss, correction, dict(correction_params), seed)
+        if _init is None:  # rank 0: the model's config and first weights come from the mirror
+            _init = (mirror.config.to_dict(), mirror.state_dict())
+            if self.world > 1:
+                dist.broadcast_object_list([(args, _init)], src=0)
+        config, weights = _init
+        policy = MegatronPolicy(DecoderConfig.from_dict(config))
+        policy.load_state_dict(weights)
+        self.tp_group = distributed.tp_group()
+        model = DataParallel(policy, grad_shares or dp, distributed.dp_group())
+        super().__init__(model, lr, grad_clip, temperature, loss, correction, correction_params)
+        self.mirror, self.layout = mirror, dict(tp=tp, pp=pp, dp=dp, grad_shares=grad_shares or dp)
+        self.commanding = self.rank == 0 and self.world > 1
+        self.sharded, self.replicated, self.head_shared = [], [], []
+        for name, p in policy.gpt.named_parameters():
+            kind = self.sharded if getattr(p, "tensor_model_parallel", False) else self.replicated
+            kind.append(p)
+            if any(s in name for s in _SHARED_ACROSS_HEADS):
+                self.head_shared.append(p)
+
+    @classmethod
+    def follow(cls) -> None:
+        """A rank other than 0: build this rank's part from rank 0's first message, then run rank 0's calls
+        until it says stop. An error rank 0 also meets (divergence, bad input) is rank 0's to report."""
+        msg = [None]
+        dist.broadcast_object_list(msg, src=0)
+        args, init = msg[0]
+        learner = cls(None, *args, _init=init)
+        while True:
+            dist.broadcast_object_list(msg, src=0)
+            if msg[0] is None:
+                return
+            name, a, kw = msg[0]
+            try:
+                getattr(learner, name)(*a, **kw)
+            except (DivergenceError, ValueError):
+                pass
+
+    def stop(self) -> None:
+        """Release the other ranks (rank 0, at the end of the job)."""
+        if self.commanding:
+            self.commanding = False
+            dist.broadcast_object_list([None], src=0)
+
+    # -- the calls rank 0 sends -----------------------------------------------------------------------
+    @collective
+    def rl_step(self, batch, advantages, what: str = "RL update"):
+        return super().rl_step(batch, advantages, what)
+
+    @collective
+    def sft_step(self, ids, lengths, target_mask, what: str = "warm-up"):
+        return super().sft_step(ids, lengths, target_mask, what)
+
+    @collective
+    def decompose(self, batch, weights_at_rollout, current_lp=None):
+        return super().decompose(batch, weights_at_rollout, current_lp)
+
+    @collective
+    def state_dict_copy(self) -> dict[str, torch.Tensor]:
+        return super().state_dict_copy()
+
+    @collective
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Whole Hugging Face-named weights (a checkpoint being resumed)."""
+        self.model.load_state_dict(state)
+        self._follow_mirror()
+
+    @collective
+    def _new_optimizer(self, lr: float) -> None:
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+
+    def supervised(self, lr: float):
+        return _Supervised(self, lr)
+
+    @collective
+    def optimizer_state(self) -> dict:
+        """Every rank's optimizer state (each holds its own shards' moments), with the layout they belong to."""
+        ranks = [None] * self.world
+        dist.all_gather_object(ranks, self.opt.state_dict())
+        return dict(megatron=self.layout, ranks=ranks)
+
+    @collective
+    def load_optimizer_state(self, state: dict, lr: float) -> None:
+        if state.get("megatron") != self.layout:
+            saved = state.get("megatron") or "the built-in learner"
+            raise ValueError(f"the checkpoint's optimizer state was saved by {saved}, not by the Megatron learner with "
+                             f"{self.layout}; resume with the layout it was saved with")
+        super().load_optimizer_state(state["ranks"][self.rank], lr)
+
+    # -- the update, with norms over the tensor-parallel shards --------------------------------------------
+    def _norm(self, tensors_sharded, tensors_replicated) -> float:
+        """L2 norm over the whole model: every rank's shards, the replicated tensors once (float64 sums)."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for t in tensors_sharded:
+            sq += torch.linalg.vector_norm(t.detach(), dtype=torch.float64) ** 2
+        if dist.get_rank(self.tp_group) == 0:
+            for t in tensors_replicated:
+                sq += torch.linalg.vector_norm(t.detach(), dtype=torch.float64) ** 2
+        return math.sqrt(float(all_gather_sum(sq.reshape(1), self.tp_group)))
+
+    def _grads(self, params):
+        return [p.grad for p in params if p.grad is not None]
+
+    def _apply(self, loss: torch.Tensor, what: str) -> float:
+        if not torch.isfinite(loss):
+            raise DivergenceError(f"{what}: loss is {loss.item()}")
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if dist.get_world_size(self.tp_group) > 1:
+            for p in self.head_shared:
+                if p.grad is not None:
+                    p.grad = all_gather_sum(p.grad.unsqueeze(0), self.tp_group)
+        norm = self._norm(self._grads(self.sharded), self._grads(self.replicated))
+        if not math.isfinite(norm):
+            raise DivergenceError(f"{what}: gradient norm is {norm}")
+        if self.grad_clip:
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.grad_clip, torch.tensor(norm))
+        if norm > 0:  # as the built-in learner: no signal, no step
+            before = self._norm(self.sharded, self.replicated)
+            self.opt.step()
+            after = self._norm(self.sharded, self.replicated)
+            if not math.isfinite(after):
+                raise DivergenceError(f"{what}: weights are not finite after the step (norm {after})")
+            if before > 0 and after > MAX_WEIGHT_GROWTH * before:
+                raise DivergenceError(f"{what}: weight norm grew from {before:.3g} to {after:.3g} in one step "
+                                      f"(more than {MAX_WEIGHT_GROWTH:g}x)")
+            self._follow_mirror()
+        return norm
+
+    def _follow_mirror(self) -> None:
+        weights = self.model.state_dict()  # a collective: every rank takes part
+        if self.mirror is not None:
+            self.mirror.load_state_dict(weights)
+
+
+class _Supervised:
+    """Learner.supervised for the Megatron learner: the optimizer swaps are sent to every rank."""
+
+    def __init__(self, learner: MegatronLearner, lr: float):
+        self.learner, self.lr = learner, lr
+
+    def __enter__(self):
+        self.learner._new_optimizer(self.lr)
+
+    def __exit__(self, *exc):
+        self.learner._new_optimizer(self.learner.lr)
+        return False
+
+
+def from_config(cfg, mirror: Decoder) -> MegatronLearner:
+    """The learner that `runtime.learner=megatron` and the `megatron.*` keys ask for, starting from `mirror`'s
+    weights (rank 0 of the job)."""
+    recipe = getattr(getattr(cfg, "precision", None), "recipe", "none")
+    if recipe not in (None, "none"):
+        raise ValueError(f"precision.recipe = {recipe}: the Megatron learner trains full-precision linears only; "
+                         "use precision.recipe=none or runtime.learner=builtin")
+    m, a = cfg.megatron, cfg.algo
+    return MegatronLearner(mirror, m.tp, m.pp, m.dp, m.grad_shares, a.lr, a.grad_clip, a.temperature, a.loss,
+                           a.correction, dict(a.correction_params), seed=cfg.seed)

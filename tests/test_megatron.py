@@ -1,0 +1,187 @@
+"""The Megatron-core learner: the built-in Decoder's logprobs bit for bit at TP=1 and at TP=2 (consistent
+kernels; Megatron's own layers are the negative control), weights converted both ways, DP=2 gradients equal
+to DP=1's over the same shares, and the train CLI over 2 processes (gloo): training with zero kernel mismatch,
+and a rank that dies stopping the job with one line and an intact checkpoint."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from conftest import tiny_model  # noqa: E402
+from megatron_ranks import VOCAB, batch, learner, rl_batch  # noqa: E402
+from nemo_rz import ops  # noqa: E402
+from nemo_rz.parallel.tensor import tree_sum  # noqa: E402
+from nemo_rz.runtime import checkpoint  # noqa: E402
+from nemo_rz.runtime.megatron import convert, distributed, launch  # noqa: E402
+from nemo_rz.runtime.megatron.model import MegatronPolicy  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["task.name=add1", "warmup.steps=20", "warmup.lr=0.003", "algo.prompts_per_update=4", "algo.group_size=4",
+        "eval.n=16", "eval.every=2", "model.hidden_size=32", "model.intermediate_size=64", "progress=false",
+        "metrics.tensorboard=false", "metrics.decomposition_every=1", "checkpoint.every=1",
+        "runtime.learner=megatron", "megatron.tp=2"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    distributed.init(1, 1, 1)
+    yield
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What 2 ranks computed (tests/megatron_ranks.py): TP=2 logprobs, a DP=2 update."""
+    out = tmp_path_factory.mktemp("ranks") / "out.pt"
+    code = launch.start([sys.executable, str(ROOT / "tests" / "megatron_ranks.py"), str(out)], 2)
+    assert code == 0
+    return torch.load(out)
+
+
+def policy(model, mode: str) -> MegatronPolicy:
+    with ops.mode(mode):
+        p = MegatronPolicy(model.config)
+    p.load_state_dict(model.state_dict())
+    return p
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tp1_logprobs_equal_the_builtin_decoder_bit_for_bit(tied):
+    model = tiny_model(0, vocab_size=VOCAB, tie_word_embeddings=tied)
+    ids, lengths = batch()
+    want = model.token_logprobs(ids, lengths)
+    got = policy(model, "consistent").token_logprobs(ids, lengths)
+    assert torch.equal(got, want)
+    with ops.mode("fast"):  # negative control: Megatron's own layers
+        fast = policy(model, "fast").token_logprobs(ids, lengths)
+    assert not torch.equal(fast, want) and torch.allclose(fast, want, atol=1e-4)
+
+
+def test_weights_convert_both_ways_with_fused_qkv_and_gate_up():
+    model = tiny_model(1, vocab_size=VOCAB, attention_bias=True, num_heads=4, num_kv_heads=2)
+    hf = model.state_dict()
+    meg = convert.to_megatron(hf, model.config)
+    cfg = model.config
+    # Megatron's layout: per kv group, that group's query heads, then its key, then its value
+    qkv = meg["decoder.layers.0.self_attention.linear_qkv.weight"].view(cfg.num_kv_heads, -1, cfg.hidden_size)
+    q = hf["model.layers.0.self_attn.q_proj.weight"].view(cfg.num_kv_heads, -1, cfg.hidden_size)
+    assert torch.equal(qkv[1, : q.shape[1]], q[1])
+    assert torch.equal(qkv[1, -cfg.head_dim:], hf["model.layers.0.self_attn.v_proj.weight"][cfg.head_dim:])
+    back = convert.to_hf(meg, cfg)
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], v) for k, v in hf.items())
+    p = policy(model, "consistent")
+    loaded = p.state_dict()
+    assert loaded.keys() == hf.keys() and all(torch.equal(loaded[k], v) for k, v in hf.items())
+    # TP shards: gate/up split as [gate_r; up_r] per rank; every shard reassembles to the whole
+    fc1 = meg["decoder.layers.0.mlp.linear_fc1.weight"]
+    param = torch.nn.Parameter(torch.empty(0))
+    param.tensor_model_parallel, param.partition_dim = True, 0
+    parts = [convert.shard("x.linear_fc1.weight", fc1, param, r, 2) for r in range(2)]
+    gate = hf["model.layers.0.mlp.gate_proj.weight"]
+    assert torch.equal(parts[1][: gate.shape[0] // 2], gate[gate.shape[0] // 2:])
+    assert torch.equal(convert.unshard("x.linear_fc1.weight", parts, param), fc1)
+    with pytest.raises(ValueError, match="lack"):
+        p.load_state_dict({k: v for k, v in hf.items() if "k_norm" not in k})
+
+
+def test_unsupported_models_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="num_experts.*builtin"):
+        MegatronPolicy(tiny_model(0, num_experts=4, moe_intermediate_size=32).config)
+
+
+def test_tp2_logprobs_equal_tp1_and_the_decoder_bit_for_bit(ranks):
+    model = tiny_model(0, vocab_size=VOCAB)
+    ids, lengths = batch()
+    want = model.token_logprobs(ids, lengths)
+    assert torch.equal(ranks["tp2_consistent"], want)
+    assert all(torch.equal(ranks["tp2_consistent_weights"][k], v) for k, v in model.state_dict().items())
+    # negative control: Megatron's row-parallel layers all-reduce partial sums, which round differently
+    with ops.mode("fast"):
+        fast_tp1 = policy(model, "fast").token_logprobs(ids, lengths)
+    assert not torch.equal(ranks["tp2_fast"], fast_tp1) and torch.allclose(ranks["tp2_fast"], fast_tp1, atol=1e-4)
+
+
+def _update(grad_shares: int):
+    lrn = learner(tiny_model(0, vocab_size=VOCAB), 1, grad_shares)
+    lrn.rl_step(*rl_batch())
+    return [p.grad.clone() for p in lrn.model.parameters()], lrn.state_dict_copy()
+
+
+def test_dp2_gradients_equal_dp1_over_the_same_shares(ranks):
+    grads, weights = _update(grad_shares=2)
+    assert all(torch.equal(a, b) for a, b in zip(ranks["dp2_grads"], grads))
+    assert all(torch.equal(ranks["dp2_weights"][k], v) for k, v in weights.items())
+    # negative control: the whole batch in one backward sums the rows in another order
+    whole, _ = _update(grad_shares=1)
+    assert not all(torch.equal(a, b) for a, b in zip(whole, grads))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole, grads))
+
+
+def test_tree_sum_order_is_fixed_by_the_number_of_parts():
+    a, b, c, d = (torch.tensor([v], dtype=torch.float32) for v in (1e8, 1.0, -1e8, 1.0))
+    assert torch.equal(tree_sum([a, b, c, d]), (a + b) + (c + d))
+    assert torch.equal(tree_sum(torch.cat([a, b, c, d])), ((a + b) + (c + d))[0])
+    assert not torch.equal(tree_sum([a, b, c, d]), ((a + b) + c) + d)  # a running sum rounds differently
+    assert torch.equal(tree_sum([a, b, c]), (a + b) + c)
+
+
+def _cli(run_dir, *overrides, **kw):
+    cmd = [sys.executable, "-m", "nemo_rz.train", *TINY, f"run_dir={run_dir}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_train_cli_tp2_trains_with_zero_kernel_mismatch(tmp_path):
+    proc = _cli(tmp_path / "run", "algo.updates=3")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["kernel_diff_tokens"] == 0 for r in rows)
+    assert "held-out pass@1" in out
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError):
+                pass
+    return found
+
+
+def _rank(pid: int) -> str | None:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), None)
+
+
+def test_a_rank_that_dies_stops_the_job_in_one_line_with_the_checkpoint_intact(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _cli(run_dir, "algo.updates=100000", start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while checkpoint.latest(run_dir / "checkpoints") is None:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+            time.sleep(0.5)
+        follower = next(pid for pid in _children(proc.pid) if _rank(pid) == "1")
+        os.kill(follower, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == launch.EXIT_RANK_DIED
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "rank 1 of 2" in lines[0] and "SIGKILL" in lines[0] and f"resume={run_dir}" in lines[0]
+    assert checkpoint.load_latest(run_dir / "checkpoints") is not None
