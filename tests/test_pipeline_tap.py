@@ -109,6 +109,10 @@ def _worker(rank: int, world: int) -> None:
     bad = Pipeline(model, dist.group.WORLD, tap).step(ids, MICRO, _policy_loss, _draft_loss(model, draft))
     if rank == world - 1:
         assert bad["loss"] == ref["loss"] and bad["draft_loss"] != ref["draft_loss"]
+    # A step whose consumer trains no draft still drains the channel (the senders' step ends).
+    model, _, ids = _setup()
+    plain = Pipeline(model, dist.group.WORLD, TapChannel(AUX, 4, world, consumer=world - 1, group=channel_group))
+    assert plain.step(ids, MICRO, _policy_loss)["loss"] == (ref["loss"] if rank == world - 1 else 0.0)
 
 
 def test_two_stages_over_gloo_equal_one_process():

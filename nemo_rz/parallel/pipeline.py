@@ -147,10 +147,12 @@ class Pipeline:
             else:
                 dist.send(y.detach().contiguous(), group=self.group, group_dst=self.stage + 1, tag=_ACTIVATION_TAG)
             kept.append((x, y))
-            if self.tap is not None and self.tap.consumer == self.stage and draft_loss is not None:
-                d = draft_loss(mb, self.tap.features(mb, x0.detach()), ids)
-                d.backward()
-                out["draft_loss"] += float(d.detach())
+            if self.tap is not None and self.tap.consumer == self.stage:
+                features = self.tap.features(mb, x0.detach())  # received even when unused: senders wait for it
+                if draft_loss is not None:
+                    d = draft_loss(mb, features, ids)
+                    d.backward()
+                    out["draft_loss"] += float(d.detach())
         for x, y in reversed(kept):
             if self.last:
                 y.backward()
