@@ -32,7 +32,8 @@ through the ring) followed by its own branch's keys of steps 1..j at p (rank-loc
 sequence [main 0..p, branch 1..j], cut into KV_BLOCK blocks from 0 like any sequence: so
 ops.attention over that sequence, with the query at position p + j, gives the same bits.
 
-Full causal attention only (no sliding window, no sinks); queries and keys of one token share a rank.
+Full causal attention only (no sliding window, no sinks), on CPU tensors, with the arithmetic above in either
+ops mode; queries and keys of one token share a rank.
 """
 from __future__ import annotations
 
@@ -139,6 +140,8 @@ def _check(q, k, v, qb, kb, vb, shard: ZigzagShard) -> None:
     if qb.shape[1:] != q.shape or kb.shape[1:] != k.shape or vb.shape != kb.shape or qb.shape[0] != kb.shape[0]:
         raise ValueError(f"branch q {tuple(qb.shape)}, k {tuple(kb.shape)}, v {tuple(vb.shape)}: need [J, *main shape]")
     for name, t in (("q", q), ("k", k), ("v", v), ("q_branch", qb), ("k_branch", kb), ("v_branch", vb)):
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}: context-parallel attention runs on CPU tensors (gloo)")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} holds non-finite values: attention inputs must be finite")
 

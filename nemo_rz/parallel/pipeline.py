@@ -45,7 +45,9 @@ def embedded(model: Decoder, input_ids: torch.Tensor) -> tuple[torch.Tensor, Tok
     """(x, t) for a dense batch [B, T]: the embedded tokens [B * T, hidden] and the Tokens the model's layers
     take, both prepared by the model's own forward (its layers swapped for a capture for the call)."""
     b, length = input_ids.shape
-    t = Tokens(input_ids.reshape(-1), torch.arange(length).repeat(b), torch.arange(b).repeat_interleave(length), None, (b, length))
+    dev = input_ids.device
+    t = Tokens(input_ids.reshape(-1), torch.arange(length, device=dev).repeat(b),
+               torch.arange(b, device=dev).repeat_interleave(length), None, (b, length))
     layers, capture = model.model.layers, _Capture()
     model.model.layers = nn.ModuleList([capture])
     try:
