@@ -132,7 +132,9 @@ def test_override_hf_overrides_are_the_keys_the_vllm_model_reads():
     read = set(re.findall(r'getattr\(hf, "(nemo_rz_\w+)"', source))
     overrides = override()["policy"]["generation"]["vllm_kwargs"]["hf_overrides"]
     assert read and set(overrides) == {"architectures"} | read
-    assert overrides["architectures"] == ["NemoRZForCausalLM"] == [driver.ARCH]
+    from nemo_rz.generation.vllm import ARCH
+
+    assert overrides["architectures"] == [ARCH] == [driver.ARCH]
 
 
 @pytest.mark.parametrize("version", sorted(NEMO_RL_LLM_ARGS))

@@ -29,7 +29,8 @@ def llm_arguments(checkpoint: str, generation: dict, dtype: str, max_model_len: 
     GPU-only ones (sleep mode, gpu_memory_utilization) are left out; the KV cache gets a fixed size instead."""
     cfg = generation["vllm_cfg"]
     kwargs = dict(model=checkpoint, served_model_name=checkpoint, load_format="auto", skip_tokenizer_init=True,
-                  tensor_parallel_size=cfg["tensor_parallel_size"], pipeline_parallel_size=cfg["pipeline_parallel_size"],
+                  tensor_parallel_size=cfg["tensor_parallel_size"],
+                  pipeline_parallel_size=cfg["pipeline_parallel_size"],
                   enable_expert_parallel=cfg["expert_parallel_size"] > 1, enable_prefix_caching=True, dtype=dtype,
                   seed=0, enforce_eager=cfg["enforce_eager"], max_model_len=max_model_len, trust_remote_code=False,
                   disable_log_stats=False, kv_cache_memory_bytes=256 << 20, **generation["vllm_kwargs"])
