@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from nemo_rz.ops.dispatch import compute_dtype, on_gpu_kernels
+from nemo_rz.ops.dispatch import by_recomputing, compute_dtype, kernel_op, on_gpu_kernels
 from nemo_rz.ops.mode import consistent
 from nemo_rz.ops.tiles import TILE_ROWS, from_tiles, to_tiles
 from nemo_rz.ops.verified import by_rows, rowwise_route
@@ -25,8 +25,14 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         from nemo_rz import kernels
 
         f = gate.shape[-1]
-        return kernels.silu_and_mul(gate.reshape(-1, f), up.reshape(-1, f)).reshape(gate.shape)
+        out = kernel_op(kernels.silu_and_mul, by_recomputing(_silu_and_mul_reference), gate.reshape(-1, f), up.reshape(-1, f))
+        return out.reshape(gate.shape)
     return _gated("silu", F.silu, gate, up)
+
+
+def _silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    dt = compute_dtype(gate)
+    return (F.silu(gate.to(dt)) * up.to(dt)).to(gate.dtype)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

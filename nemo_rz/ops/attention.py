@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nemo_rz.ops.attention_plan import ATTN_TILE_ROWS, KV_BLOCK, AttentionPlan, Padded, Tiled, ones_columns
-from nemo_rz.ops.dispatch import on_gpu_kernels
+from nemo_rz.ops.dispatch import by_recomputing, kernel_op, on_gpu_kernels
 from nemo_rz.ops.mode import consistent
 from nemo_rz.ops.tiles import TILE_ROWS
 from nemo_rz.ops.verified import one_thread
@@ -69,17 +70,33 @@ def attention(
         raise ValueError(f"attention: sinks must hold one logit per query head ([{q.shape[1]}]), got {tuple(sinks.shape)}")
     if q.shape[0] == 0:
         return q
-    if on_gpu_kernels(q):
-        from nemo_rz import kernels
-
-        # The kernel reads caches by raw strides: hand it dense ones (the learner's cache is a transposed view).
-        return kernels.attention(q, k_cache.contiguous(), v_cache.contiguous(), seq_idx, positions, scale, window,
-                                 block_table, sinks=sinks)
     if plan is None or not plan.fits(q, k_cache, seq_idx, positions):
         plan = AttentionPlan(seq_idx, positions, q.shape[1], k_cache.shape[1])
+    if on_gpu_kernels(q):
+        return _attention_kernel(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table, plan, sinks)
     if not consistent():
         return _attention_fast(q, k_cache, v_cache, scale, block_table, plan.padded(window), sinks)
     return _attention_tiled(q, k_cache, v_cache, scale, block_table, plan.tiled(q.shape[-1], torch.float32, window), sinks)
+
+
+def _attention_kernel(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table, plan, sinks):
+    """The Triton kernel; backward: the library attention (SDPA's math backend: deterministic) of the same
+    masked softmax in float32, recomputed. Gradients reach q, the caches (the learner's are views of the batch's
+    keys and values) and the sinks."""
+    from nemo_rz import kernels
+
+    def kernel(q, k, v, s):
+        # The kernel reads caches by raw strides: hand it dense ones (the learner's cache is a transposed view).
+        return kernels.attention(q, k.contiguous(), v.contiguous(), seq_idx, positions, scale, window, block_table,
+                                 sinks=s)
+
+    def reference(q, k, v, s):
+        with sdpa_kernel(SDPBackend.MATH):
+            out = _attention_fast(q.float(), k.float(), v.float(), scale, block_table, plan.padded(window),
+                                  None if s is None else s.float())
+        return out.to(q.dtype)
+
+    return kernel_op(kernel, by_recomputing(reference), q, k_cache, v_cache, sinks)
 
 
 def _key_blocks(cache: torch.Tensor, t: Tiled, block_table, paged) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nemo_rz.ops.dispatch import compute_dtype, on_gpu_kernels
+from nemo_rz.ops.dispatch import compute_dtype, kernel_op, on_gpu_kernels
 from nemo_rz.ops.gemm import linear_rows
 from nemo_rz.ops.mode import consistent
 
@@ -21,7 +21,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if on_gpu_kernels(x):
         from nemo_rz import kernels
 
-        return kernels.linear(x.reshape(-1, k), weight, bias).reshape(*x.shape[:-1], n)
+        rows = x.reshape(-1, k)
+        if weight.dtype != x.dtype:  # e.g. float32 activations on a bf16 router: both in float32, as on CPU
+            rows, weight = rows.to(compute_dtype(x)), weight.to(compute_dtype(x))
+        out = kernel_op(kernels.linear, _linear_backward, rows, weight, bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], n)
     dt = compute_dtype(x)
     rows = x if x.dim() == 2 else x.reshape(-1, k)
     if rows.dtype != dt:
@@ -32,6 +36,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+
+def _linear_backward(grad, needs, x, weight, bias):
+    """The library's products, as gemm._Matmul's, in the kernel's storage dtype (GPU GEMMs accumulate half
+    types in float32): nothing to recompute."""
+    return (grad.mm(weight) if needs[0] else None,
+            grad.t().mm(x) if needs[1] else None,
+            grad.sum(0, dtype=torch.float32).to(bias.dtype) if needs[2] else None)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

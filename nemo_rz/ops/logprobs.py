@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nemo_rz.ops.dispatch import on_gpu_kernels
+from nemo_rz.ops.dispatch import by_recomputing, kernel_op, on_gpu_kernels
 from nemo_rz.ops.mode import consistent
 from nemo_rz.ops.tiles import TILE_ROWS, from_tiles, row_sum, to_tiles
 from nemo_rz.ops.verified import by_rows, rowwise_route
@@ -30,16 +30,22 @@ def log_softmax(logits: torch.Tensor, temperature=1.0) -> torch.Tensor:
     rounding error grows with the block sizes, not with the vocabulary: within ~4e-6 of float64 at V=151936,
     where one running float32 sum (torch's log_softmax) is off by ~3e-5."""
     if not consistent():
-        return torch.log_softmax(_scaled(logits, temperature), dim=-1)
+        return _library_log_softmax(logits, temperature)
     if on_gpu_kernels(logits) and not isinstance(temperature, torch.Tensor):
         from nemo_rz import kernels
 
-        return kernels.log_softmax(logits, float(temperature))
+        t = float(temperature)
+        return kernel_op(lambda x: kernels.log_softmax(x, t), by_recomputing(lambda x: _library_log_softmax(x, t)), logits)
     x = _scaled(logits, temperature)
     route = rowwise_route("log_softmax_blocked", _log_softmax_blocked, x.shape[-1], x.dtype, x.device)
     if route is None:
         return log_softmax_tiled(x)
     return _LogSoftmax.apply(x, route)
+
+
+def _library_log_softmax(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """The library's log-softmax (fast mode; differentiated for the GPU kernels' backward: the same math)."""
+    return torch.log_softmax(_scaled(logits, temperature), dim=-1)
 
 
 def _log_softmax_blocked(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,5 +104,10 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature=1.0)
     if on_gpu_kernels(logits) and not isinstance(temperature, torch.Tensor):
         from nemo_rz import kernels
 
-        return kernels.token_logprobs(logits, targets, float(temperature))
+        t, index = float(temperature), targets.long().unsqueeze(-1)
+
+        def reference(x):
+            return _library_log_softmax(x, t).gather(-1, index).squeeze(-1)
+
+        return kernel_op(lambda x: kernels.token_logprobs(x, targets, t), by_recomputing(reference), logits)
     return log_softmax(logits, temperature).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_rz.ops.dispatch import compute_dtype, on_gpu_kernels
+from nemo_rz.ops.dispatch import by_recomputing, compute_dtype, kernel_op, on_gpu_kernels
 from nemo_rz.ops.mode import consistent
 from nemo_rz.ops.tiles import from_tiles, row_sum, to_tiles
 from nemo_rz.ops.verified import by_rows, rowwise_route
@@ -21,7 +21,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if on_gpu_kernels(x):
         from nemo_rz import kernels
 
-        return kernels.rms_norm(rows, weight, eps).reshape(shape)
+        def reference(r, w):  # the kernel's math: float32 throughout, one cast at the end
+            return (_normalized(r.to(compute_dtype(r)), eps) * w.to(compute_dtype(r))).to(r.dtype)
+
+        return kernel_op(lambda r, w: kernels.rms_norm(r, w, eps), by_recomputing(reference), rows, weight).reshape(shape)
     dt = compute_dtype(x)
     route = rowwise_route("rms_norm", lambda r: _normalized(r, 1e-6), h, dt, x.device)
     if route is not None:
