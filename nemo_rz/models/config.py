@@ -4,7 +4,6 @@ sinks), MLP kind (dense or mixture of experts), norm / activation / embedding va
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -123,7 +122,7 @@ class DecoderConfig:
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
 
-    @functools.cached_property
+    @property
     def rope_scaling_rule(self) -> RopeScaling | None:
         if self.rope_scaling is None:
             return None

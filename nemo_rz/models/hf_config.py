@@ -280,7 +280,9 @@ def _family_keys(d: dict, source: str, fam: Family, arch: str) -> dict:
     if fam.model_type == "gemma3_text":
         act = d.get("hidden_activation", d.get("hidden_act")) or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
-            raise ModelFileError(f"hidden_activation={act!r} in {source} is not supported: Gemma 3 uses gelu_pytorch_tanh")
+            raise ModelFileError(
+                f"hidden_activation={act!r} in {source} is not supported: Gemma 3 uses gelu_pytorch_tanh; fix config.json"
+            )
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
             _refuse_set(d, source, key, "nemo_rz does not implement logit soft-capping")
         _refuse_set(d, source, "use_bidirectional_attention", "nemo_rz's decoder is causal")

@@ -13,6 +13,8 @@ Expert weights are stacked 3-D parameters under transformers' (v5) names: Qwen3-
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -50,6 +52,32 @@ def _row_sum(values: torch.Tensor) -> torch.Tensor:
     return total.unsqueeze(1)
 
 
+class _Routed(nn.Module):
+    """A mixture-of-experts MLP: route (the family's rule), then the experts."""
+
+    routing_log: list | None = None  # set by `recorded_routing`
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        if self.routing_log is not None:
+            self.routing_log.append(experts.detach().clone())
+        return self.experts(x, experts, weights)
+
+
+@contextlib.contextmanager
+def recorded_routing(model: nn.Module):
+    """Yield {layer name: [experts [N, k] of each forward]} for every MoE layer of `model`, filled while inside."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, _Routed)}
+    logs = {name: [] for name in layers}
+    for name, m in layers.items():
+        m.routing_log = logs[name]
+    try:
+        yield logs
+    finally:
+        for m in layers.values():
+            m.routing_log = None
+
+
 class Qwen3MoeExperts(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -67,7 +95,7 @@ class Qwen3MoeExperts(nn.Module):
         return ops.moe_combine(y, weights, experts)
 
 
-class Qwen3Moe(nn.Module):
+class Qwen3Moe(_Routed):
     """Router `gate` (no bias): softmax over all experts, top-k, renormalised when norm_topk_prob."""
 
     def __init__(self, cfg: DecoderConfig):
@@ -83,10 +111,6 @@ class Qwen3Moe(nn.Module):
         if self.renormalize:
             weights = weights / _row_sum(weights)
         return weights, experts
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(x)
-        return self.experts(x, experts, weights)
 
 
 class GptOssExperts(nn.Module):
@@ -109,7 +133,7 @@ class GptOssExperts(nn.Module):
         return ops.moe_combine(y, weights, experts)
 
 
-class GptOssMoe(nn.Module):
+class GptOssMoe(_Routed):
     """Router with bias: top-k over the logits, softmax over the k chosen."""
 
     def __init__(self, cfg: DecoderConfig):
@@ -121,10 +145,6 @@ class GptOssMoe(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, experts = ops.route_topk(ops.linear(x.float(), self.router.weight, self.router.bias), self.k)
         return ops.softmax(logits), experts
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.route(x)
-        return self.experts(x, experts, weights)
 
 
 KINDS = {"qwen3": Qwen3Moe, "gpt_oss": GptOssMoe}
