@@ -3,7 +3,8 @@
 CP: `ring_attention` forward + backward of a packed row; one process (the same function, and ops.attention with
 its library backward) vs 2 gloo ranks (wall time of the slower rank). PP: one `Pipeline.step` (GPipe,
 micro-batches, token-logprob loss) in one process vs 2 stages. Every process runs 1 torch thread (the ranks
-together use 2 cores). Median wall seconds over --repeat steps after one warm-up step.
+together use 2 cores). Median wall and process CPU seconds over --repeat steps after one warm-up step (CPU
+time: each rank's own, the larger of the two; it shows how the work splits whatever else the cores run).
 
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456 \\
         python benchmarks/parallel_overhead.py --shape tiny
@@ -57,15 +58,18 @@ def _cu(lengths):
 
 
 def _timed(fn, repeat, barrier=lambda: None):
-    times = []
+    """(median wall seconds, median process CPU seconds) of fn over `repeat` calls after a warm-up call."""
+    wall, cpu = [], []
     for i in range(repeat + 1):
         barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
+        c1 = time.process_time()
         barrier()
         if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(c1 - c0)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def _cp_step(inputs, shard, scale, group=None):
@@ -143,18 +147,21 @@ def main() -> None:
         s.close()
         mp.spawn(_worker, args=(2, port, args.shape, args.repeat, out), nprocs=2, join=True)
         ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
-    rows["2 ranks / 2 stages over gloo (slower rank)"] = (max(r["cp"] for r in ranks), max(r["pp"] for r in ranks))
+    rows["2 ranks / 2 stages over gloo (slower rank)"] = tuple(
+        tuple(max(r[part][i] for r in ranks) for i in range(2)) for part in ("cp", "pp"))
     cp_base, pp_base = rows["ring_attention / Pipeline.step, 1 process"]
     print(f"# {datetime.date.today()} shape={args.shape} cp={c['heads']}/{c['kv_heads']} heads, head_dim {c['dim']}, "
           f"{len(c['lengths'])} sequences, {sum(c['lengths'])} tokens; pp={p['preset']} x {p['layers']} layers, "
           f"batch {p['batch']}x{p['length']}, {p['micro']} micro-batches; 1 torch thread per process; "
           f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print("| run | CP fwd+bwd s | vs 1 process | PP step s | vs 1 process |")
-    print("|---|---|---|---|---|")
-    fmt = lambda x, base: ("-", "-") if x is None else (f"{x:.3f}", f"{x / base:.2f}x")
-    for name, (cp, pp) in rows.items():
-        print(f"| {name} | {' | '.join(fmt(cp, cp_base))} | {' | '.join(fmt(pp, pp_base))} |")
+    print("| run | CP fwd+bwd wall s | vs 1 process | CP CPU s | PP step wall s | vs 1 process | PP CPU s |")
+    print("|---|---|---|---|---|---|---|")
 
+    def cells(x, base):
+        return ["-"] * 3 if x is None else [f"{x[0]:.3f}", f"{x[0] / base[0]:.2f}x", f"{x[1]:.3f}"]
+
+    for name, (cp, pp) in rows.items():
+        print(f"| {name} | {' | '.join(cells(cp, cp_base) + cells(pp, pp_base))} |")
 
 if __name__ == "__main__":
     main()
