@@ -249,10 +249,14 @@ class _Plan:
             parts.append((a, rows, dest, keys, count, 1 + tb, ordinal))
         a, self.tail_rows, self.tail_dest, self.tail_keys, count, self.tail_block, self.tail_ordinal = (torch.cat(x) for x in zip(*parts))
         self.tail_gid = mine[a, 2]
-        self.tail_visible = (off < count[..., None]).float()  # [P, R, KV_BLOCK]
-        self.tail_bias = torch.zeros_like(self.tail_visible).masked_fill_(self.tail_visible == 0, float("-inf"))
+        self.tail_count = count
         self.tail_stride = 2 + (self.tail_block.max().item() if self.tail_block.numel() else 0)
         self.tail_ordinals = 1 + (self.tail_ordinal.max().item() if self.tail_ordinal.numel() else 0)
+
+    def tail_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(visible 0/1, bias 0/-inf) [P, R, KV_BLOCK] of the tail pairs (made per call: they are large)."""
+        visible = (torch.arange(KV_BLOCK) < self.tail_count[..., None]).float()
+        return visible, torch.zeros_like(visible).masked_fill_(visible == 0, float("-inf"))
 
     # Ordering keys. Per query row: key blocks in increasing order (full blocks by global id, then the row's
     # tail blocks). Per key row: contributions by query block, full pair first, then the block's tails.
@@ -395,7 +399,8 @@ class _BranchAttention(torch.autograd.Function):
             scores.append(s)
         kt = kpool.index_select(0, plan.tail_keys.reshape(-1)).view(-1, KV_BLOCK, d)
         q_tail = Q.index_select(0, plan.tail_rows.reshape(-1)).view(-1, plan.R, d)
-        s_tail = _bmm(q_tail, kt.transpose(1, 2).contiguous()) + plan.tail_bias
+        visible, bias = plan.tail_masks()
+        s_tail = _bmm(q_tail, kt.transpose(1, 2).contiguous()) + bias
         m.scatter_reduce_(0, plan.tail_dest.reshape(-1), s_tail.amax(-1).reshape(-1), "amax")
 
         # Pass 2, values: [P @ V | sum p] of every pair, kept with its block's place in the row's order.
@@ -410,7 +415,7 @@ class _BranchAttention(torch.autograd.Function):
             parts.append((_bmm(p, vp), rows, plan.row_key_full(pairs).repeat_interleave(tiles)))
             scores[step] = None
         vt = vpool.index_select(0, plan.tail_keys.reshape(-1)).view(-1, KV_BLOCK, d)
-        p_tail = torch.exp(_shifted(s_tail, m, plan.tail_dest).clamp(min=_EXP_FLOOR)) * plan.tail_visible
+        p_tail = torch.exp(_shifted(s_tail, m, plan.tail_dest).clamp(min=_EXP_FLOOR)) * visible
         parts.append((_bmm(p_tail, F.pad(vt, (0, ones), value=1.0)), plan.tail_dest, plan.row_key_tail()))
         acc = _ordered_sum(plan.n_rows + 1, parts)
         out = acc[:, :d] / acc[:, d : d + 1]
@@ -471,8 +476,9 @@ class _BranchAttention(torch.autograd.Function):
         kt = kpool.index_select(0, plan.tail_keys.reshape(-1)).view(-1, KV_BLOCK, d)
         vt = vpool.index_select(0, plan.tail_keys.reshape(-1)).view(-1, KV_BLOCK, d)
         q_tail = Q.index_select(0, plan.tail_rows.reshape(-1)).view(-1, plan.R, d)
-        s_tail = _bmm(q_tail, kt.transpose(1, 2).contiguous()) + plan.tail_bias
-        ds, p = grads(s_tail, plan.tail_dest, vt, plan.tail_visible)
+        visible, bias = plan.tail_masks()
+        s_tail = _bmm(q_tail, kt.transpose(1, 2).contiguous()) + bias
+        ds, p = grads(s_tail, plan.tail_dest, vt, visible)
         dq_parts.append((_bmm(ds, kt), plan.tail_dest, plan.row_key_tail()))
         key_key = plan.key_key_tail()
         dk_parts.append((_bmm(ds.transpose(1, 2), q_tail), plan.tail_keys, key_key))
