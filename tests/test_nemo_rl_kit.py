@@ -70,10 +70,11 @@ NEMO_RL_KEYS = {
     # nemo_rl/models/policy/__init__.py, PolicyConfig (the part this override touches)
     "policy": {"model_name", "precision", "generation", "max_total_sequence_length"},
     # nemo_rl/models/generation/interfaces.py GenerationConfig + nemo_rl/models/generation/vllm/config.py VllmConfig
+    # (refit_transport: main only)
     "policy.generation": {"backend", "max_new_tokens", "temperature", "top_p", "top_k", "val_temperature",
                           "val_top_p", "val_top_k", "model_name", "stop_token_ids", "stop_strings", "bad_words",
                           "colocated", "port_range_low", "port_range_high", "use_async_rollouts", "vllm_cfg",
-                          "vllm_kwargs", "quant_cfg"},
+                          "vllm_kwargs", "quant_cfg", "refit_transport"},
     # nemo_rl/models/generation/vllm/vllm_worker.py (and vllm_generation.py): every vllm_cfg key read, union over
     # the versions; logprobs_mode is read from main of 2026-08-05 on (v0.6 / v0.7 ignore it)
     "policy.generation.vllm_cfg": {"async_engine", "cap_max_tokens_to_context", "enable_prefix_caching",
@@ -289,6 +290,7 @@ def test_checks_pass_on_the_override_and_fill_the_architecture(ckpt):
     ("policy.generation.vllm_cfg.enforce_eager=false", "enforce_eager = False"),
     ("policy.generation.vllm_cfg.tensor_parallel_size=2", "tensor_parallel_size = 2"),
     ("policy.generation.vllm_kwargs.block_size=16", "block_size = 16"),
+    ("policy.generation.refit_transport=nccl_reshard", "refit_transport = 'nccl_reshard'"),
     ("policy.generation.vllm_kwargs.hf_overrides.nemo_rz_architecture=GemmaForCausalLM", "'GemmaForCausalLM'"),
     ("loss_fn.reference_policy_kl_penalty=0.01", "loss_fn.reference_policy_kl_penalty = 0.01"),
     ("loss_fn.use_kl_in_reward=true", "loss_fn.use_kl_in_reward = True"),

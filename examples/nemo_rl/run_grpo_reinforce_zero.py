@@ -114,6 +114,9 @@ def check_generation(master_config) -> None:
          "CUDA graphs would capture the model's step: set true"),
         *((f"{c}.{key}", cfg.get(key, 1), lambda v: v == 1, "nemo-rz's vLLM model runs unsharded: set 1 (one engine "
            "per GPU)") for key in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size")),
+        (f"{g}.refit_transport", gen.get("refit_transport"), lambda v: v is None,
+         "nemo-rz's model takes new weights by Hugging Face name through its load_weights, which NeMo RL's default "
+         "refit (IPC or collective) calls; the other transports write vLLM's own parameter layout: set null"),
         ("policy.generation.vllm_kwargs.block_size", kwargs.get("block_size"),
          lambda v: isinstance(v, int) and v > 0 and v % KV_BLOCK == 0,
          f"nemo-rz's paged attention reads whole {KV_BLOCK}-token tiles: set a multiple of {KV_BLOCK}"),
