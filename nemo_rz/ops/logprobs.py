@@ -104,10 +104,10 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature=1.0)
     if on_gpu_kernels(logits) and not isinstance(temperature, torch.Tensor):
         from nemo_rz import kernels
 
-        t, index = float(temperature), targets.long().unsqueeze(-1)
+        t = float(temperature)
 
         def reference(x):
-            return _library_log_softmax(x, t).gather(-1, index).squeeze(-1)
+            return _library_log_softmax(x, t).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
 
         return kernel_op(lambda x: kernels.token_logprobs(x, targets, t), by_recomputing(reference), logits)
     return log_softmax(logits, temperature).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
