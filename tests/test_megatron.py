@@ -185,3 +185,23 @@ def test_a_rank_that_dies_stops_the_job_in_one_line_with_the_checkpoint_intact(t
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "rank 1 of 2" in lines[0] and "SIGKILL" in lines[0] and f"resume={run_dir}" in lines[0]
     assert checkpoint.load_latest(run_dir / "checkpoints") is not None
+
+
+def test_tp1_run_resumes_bit_exactly_from_its_checkpoint(tmp_path):
+    """Weights, Adam moments and the rest of the state come back: 1 update + resume + 1 = 2 updates."""
+    from safetensors.torch import load_file
+
+    from nemo_rz import config
+    from nemo_rz.runtime.trainer import Trainer
+
+    over = [o for o in TINY if o != "megatron.tp=2"]
+    run = lambda name, updates, resume=None: Trainer(
+        config.load(None, over + [f"run_dir={tmp_path / name}", f"algo.updates={updates}"]), tmp_path / name,
+        resume=resume, log=lambda *_: None).run()
+    run("full", 2)
+    run("part", 1)
+    run("part", 2, resume=tmp_path / "part")
+    full, part = (load_file(checkpoint.latest(tmp_path / n / "checkpoints") / "model.safetensors") for n in ("full", "part"))
+    assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
+    rows = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in rows] == [1, 2] and all(r["kernel_diff_tokens"] == 0 for r in rows)

@@ -9,6 +9,7 @@ terminates the other ranks and prints one line (checkpoints are written atomical
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,9 +54,11 @@ def start(command: list[str], world: int, run_dir: str | None = None, poll_s: fl
                 _stop(ranks[1:], grace_s=10.0)
                 return code
             for rank, p in enumerate(ranks[1:], start=1):
-                if p.poll() is not None:
+                if p.poll() not in (None, 0):  # 0: released by rank 0, which ends next
                     try:  # rank 0 ending (its sockets closing) ends the others too: that is not a death
-                        return _stop(ranks[1:], grace_s=10.0) or ranks[0].wait(timeout=2.0)
+                        code = ranks[0].wait(timeout=5.0)
+                        _stop(ranks[1:], grace_s=10.0)
+                        return code
                     except subprocess.TimeoutExpired:
                         pass
                     _stop(ranks, grace_s=15.0)
@@ -71,6 +74,7 @@ def start(command: list[str], world: int, run_dir: str | None = None, poll_s: fl
         for log in logs:
             if log is not None:
                 log.close()
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def _describe(code: int) -> str:

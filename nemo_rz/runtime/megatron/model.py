@@ -30,6 +30,9 @@ from nemo_rz.models.config import DecoderConfig
 from nemo_rz.parallel.tensor import gather_last, gather_parts
 from nemo_rz.runtime.megatron import convert, distributed, layers
 
+# Megatron's own tensor-parallel layers advise, at their first forward, a CUDA stream setting: moot here.
+warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
+
 # DecoderConfig fields this model builds; any other field must keep its default (a family the Megatron
 # learner does not build yet is refused, not trained wrongly).
 SUPPORTED = {"vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -102,11 +105,9 @@ class MegatronPolicy(nn.Module):
         self.padded_vocab = -(-cfg.vocab_size // self.tp_size) * self.tp_size  # Megatron splits the vocabulary evenly
         mcfg = transformer_config(cfg, self.tp_size)
         tied = cfg.tie_word_embeddings
-        with warnings.catch_warnings():  # advice for CUDA streams (Megatron's own layers at tp > 1)
-            warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
-            self.gpt = GPTModel(mcfg, layer_spec(cfg, self.fast), vocab_size=self.padded_vocab,
-                                max_sequence_length=cfg.max_position_embeddings, position_embedding_type="none",
-                                share_embeddings_and_output_weights=tied, parallel_output=True)
+        self.gpt = GPTModel(mcfg, layer_spec(cfg, self.fast), vocab_size=self.padded_vocab,
+                            max_sequence_length=cfg.max_position_embeddings, position_embedding_type="none",
+                            share_embeddings_and_output_weights=tied, parallel_output=True)
         if not self.fast:
             self.gpt.output_layer = layers.ColumnLinear(cfg.hidden_size, self.padded_vocab, config=mcfg,
                                                         skip_weight_param_allocation=tied, tp_group=self.tp)
