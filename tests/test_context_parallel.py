@@ -32,17 +32,18 @@ def _cu(lengths=LENGTHS):
     return cu
 
 
-def _inputs():
+def _inputs(lengths=LENGTHS, heads=HEADS, kv_heads=KV_HEADS, steps=STEPS):
+    """q, k, v [N, H | Hkv, D] and the branch steps' q, k, v [J, N, H | Hkv, D] of a packed row."""
     g = torch.Generator().manual_seed(0)
-    n = sum(LENGTHS)
+    n = sum(lengths)
     r = lambda *shape: torch.randn(*shape, generator=g)
-    return (r(n, HEADS, DIM), r(n, KV_HEADS, DIM), r(n, KV_HEADS, DIM),
-            r(STEPS, n, HEADS, DIM), r(STEPS, n, KV_HEADS, DIM), r(STEPS, n, KV_HEADS, DIM))
+    return (r(n, heads, DIM), r(n, kv_heads, DIM), r(n, kv_heads, DIM),
+            r(steps, n, heads, DIM), r(steps, n, kv_heads, DIM), r(steps, n, kv_heads, DIM))
 
 
-def _seq_pos():
-    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])
-    return seq, torch.cat([torch.arange(n) for n in LENGTHS])
+def _seq_pos(lengths):
+    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    return seq, torch.cat([torch.arange(n) for n in lengths])
 
 
 def _cache(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -52,18 +53,19 @@ def _cache(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.nn.functional.pad(r, (0, 0, 0, 0, 0, length - r.shape[0])).transpose(0, 1) for r in rows])
 
 
-def _reference(q, k, v, qb, kb, vb):
+def _reference(q, k, v, qb, kb, vb, lengths=LENGTHS):
     """ops.attention on one process: the packed row (one cache row per sequence), and every branch query as a
     query at position p + j of its own sequence [main keys 0..p, branch keys 1..J at p]."""
-    cu, (seq, pos) = _cu(), _seq_pos()
+    cu, (seq, pos) = _cu(lengths), _seq_pos(lengths)
+    steps, heads = qb.shape[0], q.shape[1]
     split = lambda x: [x[a:b] for a, b in zip(cu, cu[1:])]
     main = ops.attention(q, _cache(split(k)), _cache(split(v)), seq, pos, SCALE)
     n = q.shape[0]
     own = lambda x, b: [torch.cat([x[cu[s] : cu[s] + p + 1], b[:, t]]) for t, (s, p) in enumerate(zip(seq.tolist(), pos.tolist()))]
-    steps = torch.arange(1, STEPS + 1).repeat_interleave(n)
-    branch = ops.attention(qb.reshape(-1, HEADS, DIM), _cache(own(k, kb)), _cache(own(v, vb)), torch.arange(n).repeat(STEPS),
-                           pos.repeat(STEPS) + steps, SCALE)
-    return main, branch.view(STEPS, n, HEADS, DIM)
+    step = torch.arange(1, steps + 1).repeat_interleave(n)
+    branch = ops.attention(qb.reshape(-1, heads, DIM), _cache(own(k, kb)), _cache(own(v, vb)), torch.arange(n).repeat(steps),
+                           pos.repeat(steps) + step, SCALE)
+    return main, branch.view(steps, n, heads, DIM)
 
 
 def _grads(fn, inputs, index=None):
@@ -110,6 +112,16 @@ def test_one_process_equals_ops_attention():
     _, lib = _grads(_reference, inputs)
     for a, b in zip(ours, lib):
         assert (a - b).abs().max() <= 2e-6 * b.abs().max()
+
+
+@pytest.mark.parametrize("heads, kv_heads, steps", [(2, 2, 3), (6, 2, 1)])
+def test_block_boundaries_and_head_groups(heads, kv_heads, steps):
+    """Sequences of 1, 31, 32, 33 and 65 tokens (branch keys spilling into the next block), other GQA groups."""
+    lengths = (1, 31, 32, 33, 65)
+    inputs = _inputs(lengths, heads, kv_heads, steps)
+    main, branch = branch_attention(*inputs, ZigzagShard(_cu(lengths), 1, 0), SCALE)
+    ref_main, ref_branch = _reference(*inputs, lengths=lengths)
+    assert torch.equal(main, ref_main) and torch.equal(branch, ref_branch)
 
 
 def test_zigzag_balances_causal_work():
