@@ -41,6 +41,7 @@ from nemo_rz.generation.sampling import Completion, SamplingParams, checked_requ
 from nemo_rz.generation.vllm import ARCH
 from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.decoder import Decoder
+from nemo_rz.models.hf_config import architecture_for
 
 WORKER_EXTENSION = "nemo_rz.generation.vllm.worker.NemoRZWorkerExtension"
 
@@ -67,12 +68,6 @@ _FIXED = {
 }
 # Sampling options that change the distribution after the logprobs are computed (neutral values allowed).
 _DISTRIBUTION_OPTIONS = {"top_k": (None, 0, -1), "top_p": (None, 1.0), "min_p": (None, 0.0)}
-
-
-def _architecture_for(cfg: DecoderConfig) -> str:
-    if cfg.qk_norm:
-        return "Qwen3ForCausalLM"
-    return "Qwen2ForCausalLM" if cfg.attention_bias else "LlamaForCausalLM"
 
 
 def _entry_point_installed() -> bool:
@@ -285,9 +280,12 @@ class VLLMRolloutEngine:
         return LLM(
             model=str(path),
             skip_tokenizer_init=True,
-            hf_overrides={"architectures": [ARCH], "nemo_rz_architecture": _architecture_for(cfg),
+            hf_overrides={"architectures": [ARCH], "nemo_rz_architecture": architecture_for(cfg),
                           "nemo_rz_temperature": self.temperature, "nemo_rz_kernels": kernels,
-                          "nemo_rz_precision": self.precision},
+                          "nemo_rz_precision": self.precision,
+                          # Every layer gets a full-length paged cache: nemo_rz.ops applies each layer's window
+                          # itself, and one cache group keeps one block table for all layers.
+                          "sliding_window": None},
             dtype=cfg.dtype,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_batch_size,
@@ -313,7 +311,6 @@ class VLLMRolloutEngine:
             if not (root / CONFIG_FILE).is_file():
                 raise ValueError(f"VLLMRolloutEngine: {root} is not a checkpoint directory (no {CONFIG_FILE}); pass a Hugging Face checkpoint directory")
             cfg = config_from_hf(_read_json(root / CONFIG_FILE), str(root / CONFIG_FILE), dtype)
-            self._check_config(cfg)
             return root, cfg
         if isinstance(model, Decoder):
             decoder = model
@@ -328,10 +325,9 @@ class VLLMRolloutEngine:
         cfg = decoder.config
         if dtype is not None and dtype != cfg.dtype:
             cfg = DecoderConfig.from_dict({**cfg.to_dict(), "dtype": dtype})
-        self._check_config(cfg)
         self._tmp = tempfile.TemporaryDirectory(prefix="nemo_rz_vllm_")
         root = Path(self._tmp.name) / "checkpoint"
-        save_hf(decoder, root, _architecture_for(decoder.config))
+        save_hf(decoder, root, architecture_for(decoder.config))
         if cfg.dtype != decoder.config.dtype:  # vLLM loads in `dtype`; the config names the dtype to run in
             import json
 
@@ -339,11 +335,6 @@ class VLLMRolloutEngine:
             d["dtype"] = cfg.dtype
             (root / CONFIG_FILE).write_text(json.dumps(d, indent=2))
         return root, cfg
-
-    @staticmethod
-    def _check_config(cfg: DecoderConfig) -> None:
-        if cfg.sliding_window is not None:
-            raise ValueError("VLLMRolloutEngine: sliding-window attention is not supported by the vLLM backend; use a full-attention model")
 
     @staticmethod
     def _expected_names(cfg: DecoderConfig) -> list[str]:

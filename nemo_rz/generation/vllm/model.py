@@ -33,8 +33,8 @@ from nemo_rz.generation.vllm.attention import NemoRZAttentionBackend, PagedKVCac
 from nemo_rz.models.config import DTYPES
 from nemo_rz.models.decoder import Decoder, Tokens
 from nemo_rz.models.hf import CONFIG_FILE, config_from_hf
-from nemo_rz.quant.apply import apply_precision
-from nemo_rz.quant.linear import forget_quantized_weights
+from nemo_rz.models.hf import _PER_EXPERT as PER_EXPERT, _stack_experts as stack_experts
+from nemo_rz.quant.apply import apply_precision, forget_quantized_weights
 
 
 def decoder_config(vllm_config: VllmConfig):
@@ -51,10 +51,7 @@ def decoder_config(vllm_config: VllmConfig):
     names = {v: k for k, v in DTYPES.items()}
     if mc.dtype not in names:
         raise ValueError(f"nemo_rz vLLM backend: dtype {mc.dtype} is not supported; use float32 or bfloat16")
-    cfg = config_from_hf(d, source, names[mc.dtype])
-    if cfg.sliding_window is not None:
-        raise ValueError(f"nemo_rz vLLM backend: {source} uses sliding-window attention, which the backend does not support")
-    return cfg
+    return config_from_hf(d, source, names[mc.dtype])
 
 
 @contextlib.contextmanager
@@ -139,18 +136,29 @@ class NemoRZForCausalLM(nn.Module):
 
         params = dict(self.named_parameters())
         tied = self.config.tie_word_embeddings
-        loaded = set()
+        loaded, per_expert = set(), {}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                 continue
-            key = "decoder." + name
-            param = params.get(key)
-            if param is None:
-                raise ValueError(f"nemo_rz vLLM backend: checkpoint tensor {name!r} is not a parameter of the nemo_rz Decoder")
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"nemo_rz vLLM backend: {name} has shape {list(tensor.shape)}, the model expects {list(param.shape)}")
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(key)
+            if PER_EXPERT.search(name):  # Qwen3-MoE files hold one tensor per expert: stacked below
+                per_expert[name] = tensor
+                continue
+            self._load_one(params, name, tensor, default_weight_loader)
+            loaded.add("decoder." + name)
+        if per_expert:
+            shapes = {name[len("decoder."):]: tuple(p.shape) for name, p in params.items()}
+            for name, tensor in stack_experts(per_expert, shapes).items():
+                self._load_one(params, name, tensor, default_weight_loader)
+                loaded.add("decoder." + name)
         ops.forget_weight_copies(self)  # the loaders write through .data, which no version counter sees
         forget_quantized_weights(self)
         return loaded
+
+    @staticmethod
+    def _load_one(params: dict, name: str, tensor: torch.Tensor, default_loader) -> None:
+        param = params.get("decoder." + name)
+        if param is None:
+            raise ValueError(f"nemo_rz vLLM backend: checkpoint tensor {name!r} is not a parameter of the nemo_rz Decoder")
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"nemo_rz vLLM backend: {name} has shape {list(tensor.shape)}, the model expects {list(param.shape)}")
+        getattr(param, "weight_loader", default_loader)(param, tensor)
