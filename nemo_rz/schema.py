@@ -185,7 +185,7 @@ SCHEMA: dict[str, Key] = {
     "draft.k": Int(1, 16, why="draft tokens proposed per target pass"),
     "draft.lr": Positive(),
     "draft.loss_weight": Positive(),
-    "draft.checkpoint": Str(optional=True, null_means="(draft.mode=frozen needs one)", fixed=True),
+    "draft.checkpoint": Str(optional=True, null_means="for a fresh draft (draft.mode=frozen needs one)", fixed=True),
     "metrics.decomposition_every": Int(0, why="0 = never"),
     "metrics.tensorboard": Bool(),
     "checkpoint.every": Int(0, why="0 = never"),

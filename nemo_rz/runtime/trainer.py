@@ -127,9 +127,9 @@ class Trainer:
                              "draft is not wired into vLLM's EAGLE drafter); use generation.backend=builtin or draft.mode=off")
         if not isinstance(self.learner, Learner):
             raise ValueError(f"draft.mode = {mode}: the draft trains beside the built-in learner; use runtime.learner=builtin")
-        if mode == "frozen":
-            if d.checkpoint is None:
-                raise ValueError("draft.mode = frozen needs draft.checkpoint (a draft saved with nemo_rz.models.draft.save_draft)")
+        if mode == "frozen" and d.checkpoint is None:
+            raise ValueError("draft.mode = frozen needs draft.checkpoint (a draft saved with nemo_rz.models.draft.save_draft)")
+        if d.checkpoint is not None:  # frozen, or co-training that starts from a saved draft
             head = load_draft(d.checkpoint, self.model)
         else:
             head = DraftHead(self.model.config, d.aux_layers, d.num_layers)

@@ -1,0 +1,206 @@
+"""Speculative rollouts: acceptance and rollout tokens/s with a co-trained, a frozen and no draft, and the check
+that every recorded logprob is still the learner's.
+
+    task   the default job (add2, tiny model): warm up, train a draft offline on the warmed policy's own samples
+           (the frozen draft), then run RL with draft.mode=cotrain starting from that draft. Every --every updates
+           the policy and the co-trained draft are snapshotted; each snapshot is measured three ways (no draft,
+           the frozen draft, the co-trained draft) on the same held-out prompts.
+    model  a checkpoint (--model, e.g. models/smollm2-135m-instruct) or a preset shape (benchmarks/shapes.py):
+           a draft trained offline on the model's own samples for --draft-updates steps, vs no draft.
+
+Sampling at temperature 1 (full vocabulary), per-request seeds, the same requests for every variant, at each
+--batch-sizes (requests in flight). Wall-clock and process CPU time are both reported (CPU time is less
+sensitive to neighbours on a shared machine); speed-up = no-draft seconds / draft seconds. "diff" counts
+recorded logprobs that differ bitwise from the learner's `token_logprobs` (must be 0).
+
+    MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456 \\
+        python benchmarks/speculative.py task --updates 200 --every 50
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shapes  # noqa: E402
+
+from nemo_rz.algorithms.draft import DraftTrainer  # noqa: E402
+from nemo_rz.generation import RolloutEngine, SamplingParams  # noqa: E402
+from nemo_rz.generation.packing import pack  # noqa: E402
+from nemo_rz.generation.speculative import Speculator  # noqa: E402
+from nemo_rz.models.draft import DraftHead, aux_features, split_state  # noqa: E402
+
+
+def learner_diff(model, outs) -> int:
+    batch = pack(outs)
+    with torch.no_grad():
+        lp = model.token_logprobs(batch.input_ids, batch.lengths)
+    valid = batch.mask.bool()
+    return int((lp[valid] != batch.rollout_logprobs[valid]).sum())
+
+
+def measure(model, draft, k, prompts, max_new, batch_size, seed=7) -> dict:
+    """One timed generate of `prompts` (after an untimed one for warm-up: probes, caches)."""
+    def engine():
+        spec = None if draft is None else Speculator(draft, k)
+        return RolloutEngine(model, max_batch_size=batch_size, prefix_cache_blocks=0, speculator=spec)
+
+    params = SamplingParams(max_new, temperature=1.0, seed=seed)
+    engine().generate(prompts[: max(batch_size, 2)], params)
+    eng = engine()
+    wall, cpu = time.perf_counter(), time.process_time()
+    outs = eng.generate(prompts, params)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    s = eng.stats
+    tokens = sum(len(o.token_ids) for o in outs)
+    return dict(tokens=tokens, wall=wall, cpu=cpu, accept=s["spec_accepted"] / max(s["spec_proposed"], 1),
+                per_pass=(s["spec_accepted"] + s["spec_verify"]) / max(s["spec_verify"], 1), diff=learner_diff(model, outs))
+
+
+def train_offline(model, draft_trainer, prompts, max_new, updates, pool=4, seed=0, log=print):
+    """The draft's own training loop on the model's samples (what co-training does per RL batch, without RL):
+    `pool` batches of samples, generated once, visited in turn."""
+    engine = RolloutEngine(model, max_batch_size=len(prompts))
+    data = []
+    for i in range(min(pool, updates)):
+        batch = pack(engine.generate(prompts, SamplingParams(max_new, temperature=1.0, seed=seed + i * 10_007)))
+        with aux_features(model, draft_trainer.draft.aux_layers) as found, torch.no_grad():
+            model.token_logprobs(batch.input_ids, batch.lengths)
+        data.append((batch, found[0]))
+    for u in range(updates):
+        batch, aux = data[u % len(data)]
+        m = draft_trainer.step(model, aux, batch.input_ids, batch.mask, 1.0, batch.rollout_logprobs)
+        if u % max(updates // 5, 1) == 0 or u == updates - 1:
+            log(f"  offline draft step {u}: loss {m['draft_loss']:.3f} est. accept {m['draft_accept_rate']:.3f}")
+
+
+def table(rows: list[tuple], title: str) -> str:
+    out = [title, "", "| snapshot | batch | variant | accept | tokens/pass | tokens/s wall | tokens/s CPU | speed-up wall | speed-up CPU | diff |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {}
+    for snap, bs, name, r in rows:
+        if name == "none":
+            base[(snap, bs)] = r
+        b = base[(snap, bs)]
+        acc = "-" if name == "none" else f"{r['accept']:.2f}"
+        per = "1.00" if name == "none" else f"{r['per_pass']:.2f}"
+        out.append(f"| {snap} | {bs} | {name} | {acc} | {per} | {r['tokens'] / r['wall']:.0f} | {r['tokens'] / r['cpu']:.0f} | "
+                   f"{b['wall'] / r['wall']:.2f}x | {b['cpu'] / r['cpu']:.2f}x | {r['diff']} |")
+    return "\n".join(out)
+
+
+def run_task(args) -> str:
+    from omegaconf import OmegaConf
+
+    from nemo_rz import config
+    from nemo_rz.models import Decoder
+    from nemo_rz.runtime.trainer import Trainer
+
+    run_dir = tempfile.mkdtemp(prefix="spec-bench-")
+    overrides = [f"run_dir={run_dir}", "draft.mode=cotrain", f"algo.updates={args.updates}", "eval.every=0",
+                 "eval.n=50", "checkpoint.every=0", "progress=false", f"draft.k={args.k}", "metrics.tensorboard=false"]
+    cfg = config.load(None, overrides)
+    trainer = Trainer(cfg, Path(run_dir), log=lambda *a: None)
+    rng = random.Random(12345)
+    held_out = [trainer.task.encode_prompt(p.prompt) for p in trainer.task.sample(args.prompts, rng)]
+    train_prompts = [trainer.task.encode_prompt(p.prompt) for p in trainer.task.sample(64, random.Random(1))]
+    max_new = cfg.algo.max_new_tokens
+    print(f"offline draft on the warmed-up policy ({args.draft_updates} steps)")
+    offline = DraftTrainer(trainer.draft.draft, "cotrain", cfg.draft.lr, 1.0, cfg.draft.steps, args.k)
+    train_offline(trainer.model, offline, train_prompts, max_new, args.draft_updates)
+    frozen = DraftHead(trainer.model.config, trainer.draft.draft.aux_layers, len(trainer.draft.draft.layers))
+    frozen.load_state_dict(trainer.draft.draft.state_dict())
+    trainer.history[trainer.version] = trainer.learner.state_dict_copy()  # version 0 ships the trained draft
+    snaps = {0: trainer.history[trainer.version]}
+    metrics = []
+
+    def progress(record):
+        metrics.append(record)
+        if trainer.version % args.every == 0:
+            snaps[trainer.version] = trainer.history[trainer.version]
+
+    t0 = time.time()
+    trainer.run(progress=progress)
+    print(f"RL: {args.updates} updates with co-training in {time.time() - t0:.0f} s")
+    rows = []
+    for v, state in sorted(snaps.items()):
+        target_sd, draft_sd = split_state(state)
+        model = Decoder(trainer.model.config).eval()
+        model.load_state_dict(target_sd)
+        cotrained = DraftHead(model.config, frozen.aux_layers, len(frozen.layers))
+        cotrained.load_state_dict(draft_sd)
+        for bs in args.batch_sizes:
+            prompts = held_out[: args.prompts if bs > 1 else max(args.prompts // 4, 4)]
+            for name, draft in (("none", None), ("frozen", frozen), ("cotrained", cotrained)):
+                r = measure(model, draft, args.k, prompts, max_new, bs)
+                rows.append((v, bs, name, r))
+                print(v, bs, name, {k: round(x, 3) for k, x in r.items()})
+    est = [(m["update"], m.get("draft_accept_rate"), m.get("draft_loss")) for m in metrics if m["update"] % args.every == 0]
+    lines = ["", "Per-update co-training numbers (estimated on the RL batch): update, acceptance, draft loss: "
+             + "; ".join(f"{u}: {a:.2f}, {l:.2f}" for u, a, l in est)]
+    title = (f"### Speculative rollouts, default task ({datetime.date.today()}): tiny model, k={args.k}, "
+             f"max_new_tokens={max_new}, {args.prompts} held-out prompts (batch 1: {max(args.prompts // 4, 4)})")
+    return table(rows, title) + "\n".join(lines)
+
+
+def run_model(args) -> str:
+    from nemo_rz.models.hf import load_hf
+
+    with tempfile.TemporaryDirectory() as d:
+        model = load_hf(shapes.checkpoint(args, d)).eval()
+    torch.manual_seed(0)
+    vocab = model.config.vocab_size
+    rng = random.Random(3)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(8, 24))] for _ in range(args.prompts)]
+    if args.model:  # a real model: start from its own text rather than random token soup
+        from nemo_rz.tasks import make_task
+
+        task = make_task("add2", tokenizer=args.model, chat_template=True)
+        prompts = [task.encode_prompt(p.prompt) for p in task.sample(args.prompts, random.Random(3))]
+    head = DraftHead(model.config, num_layers=1)
+    trainer = DraftTrainer(head, "cotrain", args.lr, 1.0, 3, args.k)
+    print(f"offline draft ({args.draft_updates} steps)")
+    train_offline(model, trainer, prompts[len(prompts) // 2 :], args.max_new_tokens, args.draft_updates)
+    rows = []
+    for bs in args.batch_sizes:
+        ps = prompts[: min(max(bs * 2, 4), len(prompts) // 2)]  # held out from the draft's training
+        for name, draft in (("none", None), ("trained", head)):
+            r = measure(model, draft, args.k, ps, args.max_new_tokens, bs)
+            rows.append(("-", bs, name, r))
+            print(bs, name, {k: round(x, 3) for k, x in r.items()})
+    what = args.model or f"preset {args.preset}"
+    return table(rows, f"### Speculative rollouts, {what} ({datetime.date.today()}): k={args.k}, "
+                       f"max_new_tokens={args.max_new_tokens}, draft trained {args.draft_updates} steps offline")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("task")
+    t.add_argument("--updates", type=int, default=200)
+    t.add_argument("--every", type=int, default=50)
+    t.add_argument("--draft-updates", type=int, default=100)
+    t.add_argument("--prompts", type=int, default=64)
+    m = sub.add_parser("model")
+    shapes.add_arguments(m)
+    m.add_argument("--draft-updates", type=int, default=60)
+    m.add_argument("--prompts", type=int, default=32)
+    m.add_argument("--max-new-tokens", type=int, default=32)
+    m.add_argument("--lr", type=float, default=1e-3)
+    for p in (t, m):
+        p.add_argument("--k", type=int, default=4)
+        p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(run_task(args) if args.what == "task" else run_model(args))
+
+
+if __name__ == "__main__":
+    main()
