@@ -93,6 +93,19 @@ def decomposition(lp_rollout: torch.Tensor, lp_learner_now: torch.Tensor,
                 total_k3=total["k3"], n_tokens=kernel["n_tokens"])
 
 
+def routing_diff_tokens(rollout_experts: torch.Tensor, learner_experts: torch.Tensor, mask: torch.Tensor) -> int:
+    """Generated tokens for which some MoE layer chose other experts at rollout than in the learner's recompute
+    under the same weights ([B, T-1, layers * k] each, aligned with mask). 0 when the kernels are consistent;
+    where it is not, the logprob gap includes a routing flip, not only rounding."""
+    if rollout_experts.shape != learner_experts.shape:
+        raise ValueError(
+            f"routing_diff_tokens: rollout experts {tuple(rollout_experts.shape)} and learner experts "
+            f"{tuple(learner_experts.shape)} differ in shape; both must be [B, T-1, MoE layers * k]"
+        )
+    differs = (rollout_experts.long() != learner_experts.long()).any(-1)
+    return int((differs & mask.bool()).sum())
+
+
 def lag_histogram(lags, max_lag: int) -> list[int]:
     """Counts of lag 0, 1, ..., max_lag (length max_lag + 1).
 

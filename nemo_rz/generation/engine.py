@@ -12,6 +12,7 @@ on the batch it runs in.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 
@@ -23,6 +24,7 @@ from nemo_rz.generation.prefix_cache import PrefixCache
 from nemo_rz.generation.sampling import Completion, SamplingParams, checked_requests
 from nemo_rz.models.decoder import Decoder
 from nemo_rz.models.draft import split_state
+from nemo_rz.models.moe import recorded_routing
 
 
 
@@ -38,6 +40,7 @@ class _Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)  # float32 values, exact as Python floats
     prompt_stored: bool = False
     uniforms: list[float] | None = None  # one draw from `generator` per token to sample, drawn on admission
+    routing: list[torch.Tensor] = dataclasses.field(default_factory=list)  # MoE models: experts per sampled token
 
     @property
     def sequence(self) -> list[int]:
@@ -137,6 +140,7 @@ class RolloutEngine:
                 done[req.index] = Completion(
                     req.prompt, req.tokens, torch.tensor(req.logprobs, dtype=torch.float32), self.weight_version,
                     "stop" if req.tokens[-1] in req.params.stop_token_ids else "length",
+                    torch.stack(req.routing) if len(req.routing) == len(req.tokens) else None,
                 )
                 if progress is not None:
                     progress(1)
@@ -183,11 +187,16 @@ class RolloutEngine:
         stats["steps"] += 1
         model = self.model
         batch = torch.from_numpy(np.array(ids + pos + seq, dtype=np.int64)).view(3, -1)
-        hidden = model.step(batch[0], batch[1], batch[2], self._cache)
+        with recorded_routing(model) if model.config.num_experts else contextlib.nullcontext({}) as routing:
+            hidden = model.step(batch[0], batch[1], batch[2], self._cache)
         if not sampling:
             return []
         if len(sample_rows) < len(ids):
             hidden = hidden.index_select(0, torch.tensor(sample_rows))
+        if routing:  # the experts of each MoE layer for the rows that score the sampled tokens
+            chosen_experts = torch.cat([log[0] for log in routing.values()], 1)[sample_rows].to(torch.int16)
+            for req, experts in zip(sampling, chosen_experts):
+                req.routing.append(experts)
         temps = [r.params.temperature for r in sampling]
         if all(t == 0 or t == 1.0 for t in temps):
             temperature = 1.0  # greedy requests record logprobs at temperature 1

@@ -14,6 +14,7 @@ class Packed:
     lengths: torch.Tensor  # [B]
     rollout_logprobs: torch.Tensor  # [B, T-1] float32, 0 outside the completion
     mask: torch.Tensor  # [B, T-1] float32, 1 on generated tokens
+    rollout_routing: torch.Tensor | None = None  # [B, T-1, R] int16 (Completion.routing), -1 outside; None if any lacks it
 
 
 def pack(completions: list[Completion]) -> Packed:
@@ -29,4 +30,9 @@ def pack(completions: list[Completion]) -> Packed:
         span = slice(len(c.prompt_token_ids) - 1, len(s) - 1)
         lp[i, span] = c.logprobs
         mask[i, span] = 1.0
-    return Packed(ids, torch.tensor([len(s) for s in seqs]), lp, mask)
+    routing = None
+    if all(c.routing is not None and len(c.routing) == len(c.token_ids) for c in completions):
+        routing = torch.full((b, length - 1, completions[0].routing.shape[1]), -1, dtype=torch.int16)
+        for i, (c, s) in enumerate(zip(completions, seqs)):
+            routing[i, len(c.prompt_token_ids) - 1 : len(s) - 1] = c.routing
+    return Packed(ids, torch.tensor([len(s) for s in seqs]), lp, mask, routing)

@@ -32,6 +32,9 @@ class Completion:
     logprobs: torch.Tensor  # float32 [len(token_ids)]: log-softmax(logits / T) at each sampled token
     weight_version: int
     finish_reason: str  # "stop" | "length"
+    # int16 [len(token_ids), MoE layers * k]: the experts each MoE layer chose (in layer order) for the input
+    # token whose output scored each sampled token; None for dense models or engines that do not record it.
+    routing: torch.Tensor | None = None
 
 
 SEED_STRIDE = 1_000_003  # spreads unseeded requests' seeds apart: engine seed * stride + request count

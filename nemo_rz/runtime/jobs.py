@@ -39,12 +39,22 @@ class Result:
 
 
 def encode_completions(completions: list[Completion]) -> list[tuple]:
-    """Plain Python/bytes form for queues and RPC: float32 logprobs travel as raw bytes (bit-exact)."""
-    return [(c.prompt_token_ids, c.token_ids, c.logprobs.numpy().tobytes(), c.weight_version, c.finish_reason) for c in completions]
+    """Plain Python/bytes form for queues and RPC: float32 logprobs travel as raw bytes (bit-exact); a MoE
+    model's routing as int16 bytes with its row width."""
+    return [(c.prompt_token_ids, c.token_ids, c.logprobs.numpy().tobytes(), c.weight_version, c.finish_reason,
+             None if c.routing is None else (c.routing.shape[1], c.routing.numpy().tobytes())) for c in completions]
+
+
+def _routing(encoded) -> torch.Tensor | None:
+    if encoded is None:
+        return None
+    width, data = encoded
+    return torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy()).view(-1, width)
 
 
 def decode_completions(rows: list[tuple]) -> list[Completion]:
+    """Inverse of encode_completions (rows written before routing was recorded have 5 fields)."""
     return [
-        Completion(p, t, torch.from_numpy(np.frombuffer(lp, dtype=np.float32).copy()), v, f)
-        for p, t, lp, v, f in rows
+        Completion(p, t, torch.from_numpy(np.frombuffer(lp, dtype=np.float32).copy()), v, f, _routing(rest[0] if rest else None))
+        for p, t, lp, v, f, *rest in rows
     ]

@@ -9,9 +9,10 @@ import torch
 from nemo_rz import algorithms, plugins
 from nemo_rz.errors import DivergenceError
 from nemo_rz.generation.packing import Packed
-from nemo_rz.metrics import decomposition
+from nemo_rz.metrics import decomposition, routing_diff_tokens
 from nemo_rz.models import Decoder
 from nemo_rz.models.draft import aux_features, split_state, with_draft
+from nemo_rz.models.moe import recorded_routing
 
 LOSSES = plugins.names("loss")  # every registered loss: the built-ins (reinforce_zero, ppo_clip), then plugins'
 # What the trainer reads from a loss's metrics (docs/plugins.md: a plugin loss must report them too).
@@ -132,6 +133,12 @@ class Learner:
         now = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature) if current_lp is None else current_lp
         current = {k: v.clone() for k, v in self.model.state_dict().items()}
         self.model.load_state_dict(split_state(weights_at_rollout)[0])
-        then = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature)
+        with recorded_routing(self.model) as routing:
+            then = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature)
         self.model.load_state_dict(current)
-        return decomposition(batch.rollout_logprobs, now, then, batch.mask)
+        out = decomposition(batch.rollout_logprobs, now, then, batch.mask)
+        if batch.rollout_routing is not None and routing:
+            b, length = batch.input_ids.shape
+            experts = torch.cat([log[0].view(b, length, -1) for log in routing.values()], -1)[:, :-1]
+            out["routing_diff_tokens"] = routing_diff_tokens(batch.rollout_routing, experts, batch.mask)
+        return out

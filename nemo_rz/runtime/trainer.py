@@ -276,6 +276,8 @@ class Trainer:
         if every and (u % every == 0) and res.version in self.history:
             d = self.learner.decompose(batch, self.history[res.version], lp)
             record.update(kernel_diff_tokens=d["kernel_diff_tokens"], kernel_k3=d["kernel_k3"], lag_k3=d["lag_k3"])
+            if "routing_diff_tokens" in d:  # MoE models, rolled out by the built-in engine
+                record["routing_diff_tokens"] = d["routing_diff_tokens"]
         return record
 
     # -- checkpoints -------------------------------------------------------------------------------

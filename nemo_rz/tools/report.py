@@ -59,6 +59,10 @@ def write_plots(run_dir: Path) -> list[Path]:
     pts = [(r["update"], r["kernel_diff_tokens"]) for r in rows if "kernel_diff_tokens" in r]
     if pts:
         ax.plot(*zip(*pts), marker="o", label="kernel_diff_tokens")
+    pts = [(r["update"], r["routing_diff_tokens"]) for r in rows if "routing_diff_tokens" in r]
+    if pts:
+        ax.plot(*zip(*pts), marker="x", label="routing_diff_tokens")
+        ax.legend()
     ax.set_title("kernel mismatch tokens (0 = bit-identical)")
     ax.set_xlabel("update")
     fig.tight_layout()
