@@ -95,6 +95,17 @@ def test_weights_convert_both_ways_with_fused_qkv_and_gate_up():
         p.load_state_dict({k: v for k, v in hf.items() if "k_norm" not in k})
 
 
+def test_a_tp_split_that_would_change_bits_is_refused(monkeypatch):
+    from nemo_rz.runtime.megatron import layers
+
+    layers.check_split_outputs({(64, 128), (64, 48)}, 2, torch.float32)
+    real = ops.linear
+    # negative control: a product whose bits depend on how many outputs it computes
+    monkeypatch.setattr(layers.ops, "linear", lambda x, w, b=None: real(x, w) + 1e-3 * (w.shape[0] < 100))
+    with pytest.raises(ValueError, match="tp = 2.*split by output rows"):
+        layers.check_split_outputs({(64, 128)}, 2, torch.float32)
+
+
 def test_unsupported_models_are_refused_in_one_line():
     with pytest.raises(ValueError, match="num_experts.*builtin"):
         MegatronPolicy(tiny_model(0, num_experts=4, moe_intermediate_size=32).config)

@@ -58,33 +58,20 @@ def _cat_last(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class _GatherLast(torch.autograd.Function):
-    """Concatenate every rank's x along the last dim; backward keeps this rank's slice of the gradient (the
-    gradient is the same on every rank: what follows the gather is computed alike on all of them)."""
+    """Concatenate every rank's x along the last dim; backward keeps this rank's slice of the gradient, after
+    summing the ranks' gradients when each rank's is partial (sum_grad)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, sum_grad: bool):
+        ctx.group, ctx.sum_grad = group, sum_grad
         return _cat_last(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _own_slice(grad, ctx.group), None
-
-
-class _GatherLastSumGrad(torch.autograd.Function):
-    """As _GatherLast, for an input that each rank then uses for other outputs: backward sums the ranks'
-    gradients before taking this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _cat_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return _own_slice(grad, ctx.group), None
+        if ctx.sum_grad:
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
+        return _own_slice(grad, ctx.group), None, None
 
 
 def gather_last(x: torch.Tensor, group=None, grad: str = "slice") -> torch.Tensor:
@@ -95,4 +82,4 @@ def gather_last(x: torch.Tensor, group=None, grad: str = "slice") -> torch.Tenso
         return x
     if grad not in ("slice", "sum"):
         raise ValueError(f"gather_last: grad={grad!r}; use slice or sum")
-    return (_GatherLast if grad == "slice" else _GatherLastSumGrad).apply(x, group)
+    return _GatherLast.apply(x, group, grad == "sum")

@@ -45,6 +45,22 @@ def _mark(weight: nn.Parameter, dim: int) -> nn.Parameter:
     return weight
 
 
+def check_split_outputs(shapes: set[tuple[int, int]], world: int, dtype: torch.dtype) -> None:
+    """ops.linear gives each output the same bits with the whole weight [N, K] or with one rank's N / world rows
+    of it: what the layers above rely on. That is a property of this machine's BLAS (as the row counts of
+    ops.verified are), so it is checked here for every (K, N) the model splits, before any training on it (the
+    whole shapes' first calls run their ops.verified probes: up to a minute for a 150k vocabulary)."""
+    g = torch.Generator().manual_seed(0)
+    for k, n in sorted(shapes):
+        x = torch.randn(67, k, generator=g).to(dtype)
+        w = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
+        whole = ops.linear(x, w)
+        for part, want in zip(w.chunk(world), whole.chunk(world, dim=1)):
+            if not torch.equal(ops.linear(x, part), want):
+                raise ValueError(f"megatron.tp = {world}: on this machine a [{n}, {k}] product split by output rows "
+                                 "does not give the whole product's bits; use megatron.tp=1 for this model")
+
+
 class ColumnLinear(nn.Module):
     """y[:, outputs of this rank] = ops.linear(x, weight rows of this rank); Megatron's ColumnParallelLinear
     interface (returns (output, bias))."""

@@ -109,6 +109,11 @@ class MegatronPolicy(nn.Module):
                             max_sequence_length=cfg.max_position_embeddings, position_embedding_type="none",
                             share_embeddings_and_output_weights=tied, parallel_output=True)
         if not self.fast:
+            if self.tp_size > 1:
+                h, d, inner = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+                layers.check_split_outputs({(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d), (h, 2 * inner),
+                                            (cfg.num_heads * d, h), (inner, h), (h, self.padded_vocab)},
+                                           self.tp_size, cfg.torch_dtype)
             self.gpt.output_layer = layers.ColumnLinear(cfg.hidden_size, self.padded_vocab, config=mcfg,
                                                         skip_weight_param_allocation=tied, tp_group=self.tp)
 
