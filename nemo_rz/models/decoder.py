@@ -84,7 +84,7 @@ class Tokens:
     cache: KVCacheProtocol | None = None  # None: a dense [B, T] learner batch, its own cache
     dense: tuple[int, int] | None = None
     # Per-forward values shared by the layers (filled in by Decoder.hidden):
-    plans: dict | None = None  # attention window -> ops.AttentionPlan (bookkeeping)
+    plan: ops.AttentionPlan | None = None  # attention bookkeeping (one for every window)
     ropes: dict | None = None  # (theta, scaling) -> rotation of each position (ops.rope_cos_sin)
     cache_rows: torch.Tensor | None = None  # [N * Hkv] rows a KVCache writes (KVCache.rows)
 
@@ -119,8 +119,7 @@ class Decoder(nn.Module):
         layers = range(cfg.num_layers)
         t = dataclasses.replace(
             t,
-            plans=t.plans or {w: ops.AttentionPlan(t.seq_idx, t.positions, cfg.num_heads, cfg.num_kv_heads, w)
-                              for w in dict.fromkeys(cfg.window(i) for i in layers)},
+            plan=t.plan or ops.AttentionPlan(t.seq_idx, t.positions, cfg.num_heads, cfg.num_kv_heads),
             ropes=t.ropes or {r: ops.rope_cos_sin(t.positions, cfg.head_dim, r[0], r[1])
                               for r in dict.fromkeys(cfg.rope(i) for i in layers)},
             cache_rows=t.cache.rows(t) if t.cache_rows is None and isinstance(t.cache, KVCache) else t.cache_rows,

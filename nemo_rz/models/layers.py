@@ -104,9 +104,8 @@ class Attention(nn.Module):
         else:
             t.cache.write(self.layer, k, v, t)
             k_all, v_all, table = t.cache.view(self.layer)
-        extra = {"sinks": self.sinks} if cfg.attention_sinks else {}
         out = ops.attention(q, k_all, v_all, t.seq_idx, t.positions, cfg.attention_scale, window,
-                            block_table=table, plan=t.plans[window], **extra)
+                            block_table=table, plan=t.plan, sinks=self.sinks if cfg.attention_sinks else None)
         return self.o_proj(out.reshape(n, cfg.num_heads * cfg.head_dim))
 
 
