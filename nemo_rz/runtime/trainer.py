@@ -108,10 +108,16 @@ class Trainer:
             if model.config.vocab_size < self.tok.vocab_size:
                 raise ValueError(f"model.hf_path {m.hf_path}: vocab_size {model.config.vocab_size} is smaller than the task tokenizer's {self.tok.vocab_size}")
             return model
+        key = lambda name, default: OmegaConf.select(self.cfg, f"model.{name}", default=default)  # runs saved before the key
+        window, pattern = key("sliding_window", None), key("sliding_window_pattern", None)
         cfg = DecoderConfig(
             vocab_size=self.tok.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
             num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm,
-            max_position_embeddings=m.max_position_embeddings,
+            max_position_embeddings=m.max_position_embeddings, sliding_window=window,
+            layer_types=None if window is None or pattern is None else
+            ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(m.num_layers)],
+            attention_sinks=key("attention_sinks", False), num_experts=key("num_experts", 0),
+            num_experts_per_tok=key("num_experts_per_tok", 2), moe_intermediate_size=key("moe_intermediate_size", None),
         )
         return Decoder(cfg)
 
