@@ -24,7 +24,7 @@ from nemo_rz.runtime.megatron import convert, distributed, launch  # noqa: E402
 from nemo_rz.runtime.megatron.model import MegatronPolicy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["task.name=add1", "warmup.steps=20", "warmup.lr=0.003", "algo.prompts_per_update=4", "algo.group_size=4",
+TINY = ["task.name=add1", "warmup.steps=40", "warmup.lr=0.003", "algo.prompts_per_update=4", "algo.group_size=4",
         "eval.n=16", "eval.every=2", "model.hidden_size=32", "model.intermediate_size=64", "progress=false",
         "metrics.tensorboard=false", "metrics.decomposition_every=1", "checkpoint.every=1",
         "runtime.learner=megatron", "megatron.tp=2"]
