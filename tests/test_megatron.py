@@ -178,6 +178,25 @@ def _rank(pid: int) -> str | None:
     return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), None)
 
 
+def _listening(pid: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* writes them) of the TCP sockets that `pid` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                found.append(cols[1].rsplit(":", 1)[0])
+    return found
+
+
 def test_a_rank_that_dies_stops_the_job_in_one_line_with_the_checkpoint_intact(tmp_path):
     run_dir = tmp_path / "run"
     proc = _cli(run_dir, "algo.updates=100000", start_new_session=True)
@@ -186,7 +205,11 @@ def test_a_rank_that_dies_stops_the_job_in_one_line_with_the_checkpoint_intact(t
         while checkpoint.latest(run_dir / "checkpoints") is None:
             assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
             time.sleep(0.5)
-        follower = next(pid for pid in _children(proc.pid) if _rank(pid) == "1")
+        ranks = {_rank(pid): pid for pid in _children(proc.pid)}
+        # the ranks listen on the loopback address only (gloo's sockets; the rendezvous is a file)
+        listening = [a for pid in ranks.values() for a in _listening(pid)]
+        assert listening and set(listening) <= {"0100007F", "00000000000000000000000001000000"}, listening
+        follower = ranks["1"]
         os.kill(follower, signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
     finally:

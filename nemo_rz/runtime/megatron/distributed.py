@@ -1,7 +1,8 @@
-"""Process groups for the Megatron learner: torch.distributed (gloo on CPU, NCCL on GPU), Megatron's
+"""Process groups for the Megatron learner: torch.distributed over gloo, Megatron's
 tensor/data-parallel groups, and the two work-arounds megatron-core 0.16 needs to run on CPU.
 
-The rendezvous is a FileStore in a private directory, and gloo/NCCL are told to use the loopback interface, so
+The learner runs on the CPU, as the trainer around it does (NCCL would need the model on CUDA devices: not yet).
+The rendezvous is a FileStore in a private directory, and gloo is told to use the loopback interface, so
 nothing listens on a network interface (the launcher, launch.py, sets the environment for its ranks).
 """
 from __future__ import annotations
@@ -19,11 +20,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.utils import GlobalMemoryBuffer
 
 ENV_STORE = "NEMO_RZ_DIST_STORE"  # the rendezvous file a launcher gives its ranks
-LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
-
-
-def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
 
 
 def init(tp: int, pp: int, dp: int, seed: int = 0) -> None:
@@ -38,7 +35,7 @@ def init(tp: int, pp: int, dp: int, seed: int = 0) -> None:
         store = dist.FileStore(store_path, world)
         # Ranks wait for rank 0 between calls (rollouts, evaluation) for as long as it takes; a rank that dies is
         # noticed by the launcher, not by a timeout.
-        dist.init_process_group(backend(), store=store, rank=rank, world_size=world, timeout=datetime.timedelta(days=1))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(days=1))
     world = dist.get_world_size()
     if tp * pp * dp != world:
         raise ValueError(f"megatron.tp x megatron.pp x megatron.dp = {tp} x {pp} x {dp} = {tp * pp * dp}, but the job has "

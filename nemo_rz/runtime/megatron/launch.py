@@ -2,7 +2,7 @@
 
 `python -m nemo_rz.train runtime.learner=megatron megatron.tp=2` starts tp x pp x dp copies of the same command
 (this process only watches them). Rank 0 runs the trainer; the other ranks serve its learner calls
-(MegatronLearner.follow). The rendezvous is a FileStore in a private temporary directory, and gloo/NCCL use
+(MegatronLearner.follow). The rendezvous is a FileStore in a private temporary directory, and gloo uses
 the loopback interface: nothing listens on a network interface. A rank that dies stops the job: the watcher
 terminates the other ranks and prints one line (checkpoints are written atomically, so the last one is intact).
 """
