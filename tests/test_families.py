@@ -232,10 +232,10 @@ ENGINE_MODELS = {
 }
 
 
-def _engine_model(kind: str, seed: int = 0) -> Decoder:
+def _engine_model(kind: str, seed: int = 0, dtype: str = "float32") -> Decoder:
     torch.manual_seed(seed)
     cfg = DecoderConfig(vocab_size=48, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_layers=3,
-                        num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=WINDOW,
+                        num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=WINDOW, dtype=dtype,
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"], **ENGINE_MODELS[kind])
     model = Decoder(cfg)
     with torch.no_grad():  # peaky, varied distributions (as conftest.tiny_model)
@@ -266,6 +266,15 @@ def test_engine_matches_learner(kind, max_batch, chunk):
     outs = _generate(model, _prompts(max_batch, min(2 * max_batch + 3, 24), 4 * WINDOW), max_batch, chunk)
     diff, total = count_diff(model, outs)
     assert total > 0 and diff == 0
+
+
+def test_bf16_moe_model_matches_its_learner():
+    """bfloat16 weights (float32 router logits): zero mismatch in consistent mode, differences in fast mode."""
+    model = _engine_model("gpt-oss-like", dtype="bfloat16")
+    prompts = _prompts(3, 12, 4 * WINDOW)
+    assert count_diff(model, _generate(model, prompts, 7, 5))[0] == 0
+    with ops.mode("fast"):
+        assert count_diff(model, _generate(model, prompts, 7, 5))[0] > 0
 
 
 @pytest.mark.parametrize("kind", list(ENGINE_MODELS))

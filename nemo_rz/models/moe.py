@@ -38,6 +38,12 @@ def transposed(weight: torch.Tensor) -> torch.Tensor:
     return cached[1]
 
 
+def _router_logits(x: torch.Tensor, router: Linear) -> torch.Tensor:
+    """float32 router logits whatever the model dtype (a bf16 router's weights are exact in float32)."""
+    bias = None if router.bias is None else router.bias.float()
+    return ops.linear(x.float(), router.weight.float(), bias)
+
+
 def _pairs(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows of x repeated once per chosen expert [N * k, H], the expert of each row [N * k])."""
     n, k = experts.shape
@@ -106,7 +112,7 @@ class Qwen3Moe(_Routed):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights [N, k] float32, experts [N, k])."""
-        probs = ops.softmax(ops.linear(x.float(), self.gate.weight))
+        probs = ops.softmax(_router_logits(x, self.gate))
         weights, experts = ops.route_topk(probs, self.k)
         if self.renormalize:
             weights = weights / _row_sum(weights)
@@ -143,7 +149,7 @@ class GptOssMoe(_Routed):
         self.experts = GptOssExperts(cfg)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, experts = ops.route_topk(ops.linear(x.float(), self.router.weight, self.router.bias), self.k)
+        logits, experts = ops.route_topk(_router_logits(x, self.router), self.k)
         return ops.softmax(logits), experts
 
 
