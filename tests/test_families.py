@@ -187,6 +187,21 @@ def test_rope_frequencies_equal_transformers():
         assert torch.equal(freq, expected.float()) and factor == attention, name
 
 
+def test_legacy_config_forms_read_as_transformers_reads_them(hf_root):
+    """transformers 4.x configs: Gemma 3's rope_scaling (the full layers') with rope_local_base_freq, gpt-oss's
+    rope_scaling with a top-level rope_theta."""
+    nested = load_hf(_hf_dir("gemma3-linear-rope", hf_root)).config
+    d = json.loads(open(f"{_hf_dir('gemma3-linear-rope', hf_root)}/config.json").read())
+    rope = d.pop("rope_parameters")
+    legacy = d | dict(rope_scaling=dict(rope_type="linear", factor=8.0), rope_theta=rope["full_attention"]["rope_theta"],
+                      rope_local_base_freq=rope["sliding_attention"]["rope_theta"])
+    assert config_from_hf(legacy) == nested
+    oss = load_hf(_hf_dir("gpt-oss", hf_root)).config
+    d = json.loads(open(f"{_hf_dir('gpt-oss', hf_root)}/config.json").read())
+    rope = d.pop("rope_parameters")
+    assert config_from_hf(d | dict(rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"}, rope_theta=rope["rope_theta"])) == oss
+
+
 # -- checkpoint layouts and refusals ---------------------------------------------------------------------
 def test_qwen3_moe_loads_stacked_experts_and_either_expert_count_key(hf_root, tmp_path):
     path = _hf_dir("qwen3-moe", hf_root)
