@@ -23,28 +23,16 @@ from ._common import check_device, next_pow2
 
 
 @triton.jit
-def _e4m3(byte):
-    """E4M3 bytes -> float32 from their bits (bias 7; exponent 0 = subnormal m * 2**-9)."""
-    b = byte.to(tl.uint32)
-    sign = (b >> 7) << 31
-    e = (b >> 3) & 0xF
-    m = b & 0x7
-    normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125
-    sub = tl.where(sign != 0, -sub, sub)
-    return tl.where(e == 0, sub, normal)
-
-
-@triton.jit
-def _e2m1(nibble):
-    """E2M1 codes -> float32 from their bits (bias 1; exponent 0 = subnormal m * 0.5)."""
-    c = nibble.to(tl.uint32)
-    sign = (c >> 3) << 31
-    e = (c >> 1) & 0x3
-    m = c & 0x1
-    normal = (sign | ((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
-    sub = (sign | (m * 0x3F000000)).to(tl.float32, bitcast=True)
-    return tl.where(e == 0, sub, normal)
+def _minifloat(code, EXP: tl.constexpr, MAN: tl.constexpr, SUBNORMAL_UNIT: tl.constexpr):
+    """Codes of sign | EXP exponent bits | MAN mantissa bits (bias 2**(EXP-1) - 1; exponent 0 = subnormal,
+    m * SUBNORMAL_UNIT) -> float32, from their bits: E4M3 is (4, 3, 2**-9), E2M1 (2, 1, 0.5)."""
+    c = code.to(tl.uint32)
+    sign = (c >> (EXP + MAN)) << 31
+    e = (c >> MAN) & ((1 << EXP) - 1)
+    m = c & ((1 << MAN) - 1)
+    normal = (sign | ((e + (128 - (1 << (EXP - 1)))) << 23) | (m << (23 - MAN))).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * SUBNORMAL_UNIT
+    return tl.where(e == 0, tl.where(sign != 0, -sub, sub), normal)
 
 
 @triton.jit
@@ -54,9 +42,10 @@ def _load_dequantized(codes_ptr, mult_ptr, offs_r, kk, mask, stride_r, stride_mu
     rows = offs_r.to(tl.int64)
     if FP4:
         byte = tl.load(codes_ptr + rows[:, None] * stride_r + (kk >> 1)[None, :], mask=mask, other=0)
-        elem = _e2m1((byte.to(tl.uint32) >> ((kk & 1) * 4).to(tl.uint32)[None, :]) & 0xF)
+        elem = _minifloat((byte.to(tl.uint32) >> ((kk & 1) * 4).to(tl.uint32)[None, :]) & 0xF, 2, 1, 0.5)
     else:
-        elem = _e4m3(tl.load(codes_ptr + rows[:, None] * stride_r + kk[None, :], mask=mask, other=0))
+        byte = tl.load(codes_ptr + rows[:, None] * stride_r + kk[None, :], mask=mask, other=0)
+        elem = _minifloat(byte, 4, 3, 0.001953125)
     mult = tl.load(mult_ptr + (offs_r // block_rows).to(tl.int64)[:, None] * stride_mult + (kk // block_cols)[None, :],
                    mask=mask, other=0.0)
     return elem * mult

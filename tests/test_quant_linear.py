@@ -19,8 +19,9 @@ from nemo_rz import ops  # noqa: E402
 from nemo_rz.generation import RolloutEngine, SamplingParams  # noqa: E402
 from nemo_rz.quant import RECIPES, quantize  # noqa: E402
 from nemo_rz.quant import linear as qlinear  # noqa: E402
-from nemo_rz.quant.apply import apply_precision  # noqa: E402
-from nemo_rz.quant.linear import PRECISIONS, Precision, QuantizedLinear, forget_quantized_weights  # noqa: E402
+from nemo_rz.quant.apply import apply_precision, forget_quantized_weights  # noqa: E402
+from nemo_rz.quant.experts import QuantizedExperts  # noqa: E402
+from nemo_rz.quant.linear import PRECISIONS, Precision, QuantizedLinear  # noqa: E402
 from nemo_rz.quant.qtensor import QTensor  # noqa: E402
 
 QUANTIZED = [p for p in PRECISIONS if p != "none"]
@@ -86,6 +87,64 @@ def test_a_rows_output_does_not_depend_on_its_batch_only_when_row_local(scaling,
     x[3] *= 50  # a loud batch mate moves a per-tensor amax
     with torch.no_grad():
         assert torch.equal(layer(x[:1]), layer(x)[:1]) == same
+
+
+# -- mixture-of-experts models: the experts quantized too ---------------------------------------------------------
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe(kind: str, recipe: str | None):
+    return apply_precision(tiny_model(moe_kind=kind, **MOE), recipe)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gpt_oss"])
+@pytest.mark.parametrize("recipe", QUANTIZED)
+def test_moe_models_have_zero_mismatch_at_every_recipe(kind, recipe):
+    model = _moe(kind, recipe)
+    assert type(model.model.layers[0].mlp.experts) is QuantizedExperts
+    for batch in (1, 7, 64) if recipe == "mxfp4" else (7,):
+        outs = _rollout(model, batch, n=max(batch, 12), seed=batch)
+        diff, total = count_diff(model, outs)
+        assert total > 0 and diff == 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gpt_oss"])
+def test_moe_negative_controls(kind):
+    """Fast kernels, and a learner whose experts are not quantized, both disagree with the engine."""
+    model = _moe(kind, "nvfp4")
+    with ops.mode("fast"):
+        assert count_diff(model, _rollout(model, 1, n=12))[0] > 0
+    outs = _rollout(model, 7, n=12)
+    attention_only = apply_precision(tiny_model(moe_kind=kind, **MOE), {"recipe": "nvfp4", "modules": "attention"})
+    assert count_diff(model, outs)[0] == 0 and count_diff(attention_only, outs)[0] > 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gpt_oss"])
+def test_quantized_experts_compute_what_the_family_computes(kind, monkeypatch):
+    """With the rounding made the identity, QuantizedExperts equals the family's own experts bit for bit,
+    forward and gradients (so the substituted computation cannot drift from the model's)."""
+    plain = tiny_model(moe_kind=kind, **MOE).train()
+    quant = apply_precision(tiny_model(moe_kind=kind, **MOE).train(), {"recipe": "mxfp8", "modules": "experts"})
+    monkeypatch.setattr(QuantizedExperts, "quantize", lambda self, x, role: x.detach().float())
+    ids = torch.randint(0, 48, (3, 9), generator=torch.Generator().manual_seed(0))
+    a, b = plain.token_logprobs(ids), quant.token_logprobs(ids)
+    assert torch.equal(a, b)
+    a.sum().backward()
+    b.sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), quant.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_moe_master_weights_train_through_the_quantized_experts():
+    model = apply_precision(tiny_model(moe_kind="qwen3", **MOE), "mxfp4")
+    experts = model.model.layers[0].mlp.experts
+    ids = torch.randint(0, 48, (4, 12), generator=torch.Generator().manual_seed(0))
+    (-model.token_logprobs(ids).mean()).backward()
+    assert experts.gate_up_proj.grad.abs().sum() > 0 and experts.down_proj.grad.abs().sum() > 0
+    before = experts.quantized_weight("down_proj").clone()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    assert not torch.equal(experts.quantized_weight("down_proj"), before)  # a new version, quantized again
 
 
 # -- one set of quantized weights --------------------------------------------------------------------------------
@@ -214,7 +273,7 @@ def test_the_config_offers_exactly_the_precisions():
     ({"recipe": "fp8_delayed"}, "amax history"),
     ({"recipe": "fp4"}, "precision.recipe='fp4': use one of"),
     ({"recipe": "mxfp8", "activation_scaling": "block"}, "precision.activation_scaling"),
-    ({"recipe": "mxfp8", "modules": "experts"}, "no such linear layers"),
+    ({"recipe": "mxfp8", "modules": "experts"}, "no such layers"),
 ])
 def test_bad_precision_is_one_clear_line(spec, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(")) as e:
@@ -225,6 +284,51 @@ def test_bad_precision_is_one_clear_line(spec, words):
 def test_a_width_the_block_does_not_divide_is_refused():
     with pytest.raises(ValueError, match="not a multiple of the recipe's block of 32"):
         apply_precision(tiny_model(hidden_size=48, num_heads=3, num_kv_heads=1), "mxfp4")
+
+
+# -- quantized checkpoints ---------------------------------------------------------------------------------------
+def test_fp8_block_scaled_checkpoint_decodes_exactly(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from nemo_rz.quant.checkpoints import dequantized
+    from nemo_rz.quant.qtensor import expand
+
+    torch.manual_seed(0)
+    w = torch.randn(200, 300) * 0.02
+    scale_inv = torch.nn.functional.pad(w.abs(), (0, 84, 0, 56)).reshape(2, 128, 3, 128).amax((1, 3)) / 448
+    codes = (w / expand(scale_inv, (128, 128), w.shape)).to(torch.float8_e4m3fn)  # as the releases write them
+    save_file({"q.weight": codes, "q.weight_scale_inv": scale_inv, "norm.weight": torch.ones(3)}, tmp_path / "m.safetensors")
+    config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    out = dequantized(load_file(tmp_path / "m.safetensors"), config)
+    assert sorted(out) == ["norm.weight", "q.weight"]
+    assert torch.equal(out["q.weight"], codes.float() * expand(scale_inv, (128, 128), w.shape))
+    assert float((out["q.weight"] - w).norm() / w.norm()) < 0.05
+    with pytest.raises(ValueError, match="q.weight_scale_inv: shape"):
+        dequantized({"q.weight": codes, "q.weight_scale_inv": scale_inv[:1]}, config)
+    with pytest.raises(ValueError, match="only 128x128"):
+        dequantized({}, {"quant_method": "fp8", "weight_block_size": [64, 64]})
+
+
+def test_gpt_oss_mxfp4_checkpoint_decodes_and_requantizes_to_the_same_values():
+    from nemo_rz.quant.checkpoints import dequantized
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (2, 64, 3, 16), dtype=torch.uint8, generator=g)  # every code, both nibbles
+    scales = torch.randint(100, 140, (2, 64, 3), dtype=torch.uint8, generator=g)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    out = dequantized({name + "_blocks": blocks, name + "_scales": scales}, {"quant_method": "mxfp4"})
+    values = out[name]  # transformers' [E, in, out] layout
+    assert values.shape == (2, 96, 64)
+    codes = torch.stack((blocks & 0xF, blocks >> 4), -1).reshape(2, 64, 96).long()
+    grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+    expected = grid[codes] * torch.exp2(scales.float() - 127).repeat_interleave(32, -1)
+    assert torch.equal(values.transpose(1, 2), expected)
+    # The mxfp4 recipe gives the release's values back; another recipe does not (negative control).
+    for e in range(2):
+        assert torch.equal(quantize(expected[e], "mxfp4", "weight").dequantize(), expected[e])
+    assert not torch.equal(quantize(expected[0], "nvfp4", "weight").dequantize(), expected[0])
+    with pytest.raises(ValueError, match="_scales are missing"):
+        dequantized({name + "_blocks": blocks}, {"quant_method": "mxfp4"})
 
 
 # -- the Triton kernel (interpreter on CPU) ----------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Put a model's linear layers on a precision recipe: each selected Linear becomes a QuantizedLinear holding the
-same Parameters, so names, state dicts and optimizers see no change.
+"""Put a model's linear layers on a precision recipe: each selected Linear becomes a QuantizedLinear, and each
+selected MoE experts module a QuantizedExperts, holding the same Parameters, so names, state dicts and optimizers
+see no change.
 
 Which linears `precision.modules` selects, by their place in the model: attention (self_attn's projections),
 mlp (a dense MLP's projections), experts (a mixture-of-experts layer's expert projections), all (all of those).
@@ -10,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from nemo_rz.models.decoder import Linear
+from nemo_rz.quant.experts import FAMILIES, WEIGHTS, QuantizedExperts, in_features
 from nemo_rz.quant.linear import Precision, QuantizedLinear
 
 BLOCK_COLS = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}  # the recipes that need in_features divisible by a block
@@ -37,8 +39,27 @@ def selected(name: str, modules: str) -> bool:
     return kind is not None and modules in ("all", kind)
 
 
-def apply_precision(model: nn.Module, precision: Precision | dict | None) -> nn.Module:
-    """Replace the selected Linear layers of `model` in place; returns the model. recipe=none changes nothing.
+def _quantized(child: nn.Module, name: str, precision: Precision) -> nn.Module | None:
+    """The quantized replacement of a selected layer (None: not a layer the recipe runs)."""
+    if isinstance(child, Linear):
+        widths = {name: child.weight.shape[1]}
+        make = lambda: QuantizedLinear(child.weight, child.bias, precision)
+    elif type(child) in FAMILIES:
+        widths = {f"{name}.{w}": in_features(child, w) for w in WEIGHTS}
+        make = lambda: QuantizedExperts(child, precision)
+    else:
+        return None
+    block = BLOCK_COLS.get(precision.recipe)
+    for where, width in widths.items():
+        if block and width % block:
+            raise ValueError(f"precision.recipe={precision.recipe}: {where} has {width} inputs, not a multiple of the "
+                             f"recipe's block of {block}; choose another recipe or precision.modules")
+    return make()
+
+
+def apply_precision(model: nn.Module, precision: Precision | dict | str | None) -> nn.Module:
+    """Replace the selected linear layers and MoE experts of `model` in place; returns the model. recipe=none
+    changes nothing.
 
     Refuses, in one line, a selection that matches no layer and a layer whose input width the recipe's block
     does not divide."""
@@ -47,15 +68,19 @@ def apply_precision(model: nn.Module, precision: Precision | dict | None) -> nn.
         return model
     swaps = [(parent, child_name, f"{parent_name}.{child_name}".lstrip("."), child)
              for parent_name, parent in model.named_modules() for child_name, child in parent.named_children()
-             if isinstance(child, Linear)]
+             if (isinstance(child, Linear) or type(child) in FAMILIES)]
     swaps = [s for s in swaps if selected(s[2], precision.modules)]
     if not swaps:
-        raise ValueError(f"precision.modules={precision.modules}: the model has no such linear layers "
+        raise ValueError(f"precision.modules={precision.modules}: the model has no such layers "
                          f"(choose one of all, attention, mlp, experts that it has)")
-    block = BLOCK_COLS.get(precision.recipe)
-    for parent, child_name, name, child in swaps:
-        if block and child.weight.shape[1] % block:
-            raise ValueError(f"precision.recipe={precision.recipe}: {name} has {child.weight.shape[1]} inputs, not a "
-                             f"multiple of the recipe's block of {block}; choose another recipe or precision.modules")
-        setattr(parent, child_name, QuantizedLinear(child.weight, child.bias, precision))
+    for parent, child_name, name, child in [(*s[:3], _quantized(s[3], s[2], precision)) for s in swaps]:
+        setattr(parent, child_name, child)
     return model
+
+
+def forget_quantized_weights(module: nn.Module) -> None:
+    """Drop every cached quantized weight of `module` (after writing weights through `.data`, which no version
+    counter sees)."""
+    for m in module.modules():
+        if isinstance(m, (QuantizedLinear, QuantizedExperts)):
+            m.forget()

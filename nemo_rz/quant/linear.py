@@ -112,13 +112,17 @@ class QuantizedLinear(nn.Module):
         self.weight, self.bias, self.precision = weight, bias, precision
         self._cache: tuple | None = None  # (key, QTensor | None, float32 dequantized weight)
 
+    def forget(self) -> None:
+        self._cache = None
+
     def extra_repr(self) -> str:
         p = self.precision
-        return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, recipe={p.recipe}, activations={p.activation_scaling}"
+        w = self.weight
+        return f"in={w.shape[1]}, out={w.shape[0]}, recipe={p.recipe}, activations={p.activation_scaling}"
 
     def quantized_weight(self) -> tuple[QTensor | None, torch.Tensor]:
         """(QTensor, its float32 values) of the current weight version, computed once per version. Writes through
-        `.data` bypass the version counter: call `forget_quantized_weights` after them (as ops.forget_weight_copies)."""
+        `.data` bypass the version counter: call `forget` (quant.apply.forget_quantized_weights) after them."""
         w = self.weight
         key = (None if w.is_inference() else w._version, w.data_ptr(), w.dtype)
         if self._cache is None or self._cache[0] != key:
@@ -143,10 +147,3 @@ class QuantizedLinear(nn.Module):
             x_q = dequantized(x, p.recipe, "activation", row_local)
             product = lambda: ops.linear(x_q, w_q, self.bias)
         return _StraightThrough.apply(x, self.weight, self.bias, x_q, w_q, product)
-
-
-def forget_quantized_weights(module: nn.Module) -> None:
-    """Drop every QuantizedLinear's cached weight codes (after writing weights through `.data`)."""
-    for m in module.modules():
-        if isinstance(m, QuantizedLinear):
-            m._cache = None

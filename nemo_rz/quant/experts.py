@@ -1,0 +1,114 @@
+"""A mixture-of-experts layer's experts at a precision recipe: both expert products take quantized operands.
+
+Each expert's weight is quantized on its own (as Transformer Engine's grouped linear keeps one quantized weight
+per expert), along its input dimension, once per weight version; the rows entering each product are quantized
+row-local (the same rule as quant/linear.py, so a (token, expert) pair's bits do not depend on its batch). The
+products, the activation and the combine are the model's own consistent ops (ops.expert_linear,
+ops.moe_combine): `QuantizedExperts` holds the same Parameters as the experts it replaces and runs their
+family's computation with the quantized operands substituted; a test checks that with the quantization made the
+identity it equals the family's own forward bit for bit. Gradients are straight-through to the master weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from nemo_rz import ops
+from nemo_rz.models.moe import GptOssExperts, Qwen3MoeExperts
+from nemo_rz.quant.linear import Precision, dequantized
+
+
+@dataclass(frozen=True)
+class Family:
+    out_in: bool  # weights stored [E, out, in] (else [E, in, out])
+    activation: Callable  # (experts module, gate_up [M, 2I]) -> [M, I]
+
+
+def _silu_halves(m, gate_up):
+    i = gate_up.shape[1] // 2
+    return ops.silu_and_mul(gate_up[:, :i], gate_up[:, i:])
+
+
+def _clamped_swiglu_interleaved(m, gate_up):
+    return ops.clamped_swiglu(gate_up[:, ::2], gate_up[:, 1::2], m.limit, 1.702)
+
+
+FAMILIES = {Qwen3MoeExperts: Family(True, _silu_halves), GptOssExperts: Family(False, _clamped_swiglu_interleaved)}
+WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+class _Substitute(torch.autograd.Function):
+    """Forward: `value` (the quantized operand); backward: the gradient goes to `master` unchanged."""
+
+    @staticmethod
+    def forward(ctx, master, value):
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def in_features(experts: nn.Module, name: str) -> int:
+    """The input width of an expert product (what the recipe's blocks run along)."""
+    w = getattr(experts, name)
+    return w.shape[2] if FAMILIES[type(experts)].out_in else w.shape[1]
+
+
+class QuantizedExperts(nn.Module):
+    """The experts of a MoE layer (Qwen3-MoE or gpt-oss family) run at `precision`."""
+
+    def __init__(self, experts: nn.Module, precision: Precision):
+        super().__init__()
+        self.family = FAMILIES[type(experts)]
+        for name, p in experts.named_parameters(recurse=False):
+            setattr(self, name, p)
+        self.limit = getattr(experts, "limit", None)
+        self.precision = precision
+        self._cache: dict[str, tuple] = {}
+
+    def forget(self) -> None:
+        self._cache = {}
+
+    def extra_repr(self) -> str:
+        return f"recipe={self.precision.recipe}, activations={self.precision.activation_scaling}"
+
+    def quantize(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        """x [rows, in] rounded as the recipe rounds it (float32 values)."""
+        return dequantized(x, self.precision.recipe, role, self.precision.activation_scaling == "row")
+
+    def quantized_weight(self, name: str) -> torch.Tensor:
+        """[E, in, out] float32: each expert's weight quantized along `in`, once per weight version."""
+        w = getattr(self, name)
+        key = (None if w.is_inference() else w._version, w.data_ptr(), w.dtype)
+        cached = self._cache.get(name)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                out_in = w.detach() if self.family.out_in else w.detach().transpose(1, 2)
+                values = torch.stack([self.quantize(out_in[e], "weight") for e in range(w.shape[0])])
+            cached = self._cache[name] = (key, values.transpose(1, 2).contiguous())
+        return cached[1]
+
+    def _weight(self, name: str) -> torch.Tensor:
+        value = self.quantized_weight(name)
+        w = getattr(self, name)
+        if not (torch.is_grad_enabled() and w.requires_grad):
+            return value
+        return _Substitute.apply(w.transpose(1, 2) if self.family.out_in else w, value)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        value = self.quantize(x, "activation")
+        return _Substitute.apply(x, value) if torch.is_grad_enabled() and x.requires_grad else value
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        n, k = experts.shape
+        rows, which = x.repeat_interleave(k, dim=0), experts.reshape(n * k)
+        bias = getattr(self, "gate_up_proj_bias", None)
+        gate_up = ops.expert_linear(self._rows(rows), which, self._weight("gate_up_proj"), bias).to(x.dtype)
+        act = self.family.activation(self, gate_up)
+        bias = getattr(self, "down_proj_bias", None)
+        y = ops.expert_linear(self._rows(act), which, self._weight("down_proj"), bias).to(x.dtype)
+        return ops.moe_combine(y, weights, experts)
