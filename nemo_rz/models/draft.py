@@ -141,7 +141,7 @@ class DraftHead(nn.Module):
         x = self._input(target, feature, tokens)
         c = self.config
         t = Tokens(tokens, positions, seq_idx, cache)
-        t.plans = {None: ops.AttentionPlan(seq_idx, positions, c.num_heads, c.num_kv_heads, None)}
+        t.plan = ops.AttentionPlan(seq_idx, positions, c.num_heads, c.num_kv_heads)
         t.ropes = {c.rope(0): ops.rope_cos_sin(positions, c.head_dim, *c.rope(0))}
         t.cache_rows = cache.rows(t)
         for block in self.layers:
