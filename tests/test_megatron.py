@@ -56,9 +56,14 @@ def policy(model, mode: str) -> MegatronPolicy:
     return p
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_tp1_logprobs_equal_the_builtin_decoder_bit_for_bit(tied):
-    model = tiny_model(0, vocab_size=VOCAB, tie_word_embeddings=tied)
+@pytest.mark.parametrize("family", [dict(), dict(tie_word_embeddings=True, qk_norm=False, attention_bias=True)],
+                         ids=["qwen3", "llama-tied-qkv-bias"])
+def test_tp1_logprobs_equal_the_builtin_decoder_bit_for_bit(family):
+    model = tiny_model(0, vocab_size=VOCAB, **family)
+    with torch.no_grad():  # biases start at zero: give them values that matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.3)
     ids, lengths = batch()
     want = model.token_logprobs(ids, lengths)
     got = policy(model, "consistent").token_logprobs(ids, lengths)

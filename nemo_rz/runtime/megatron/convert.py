@@ -11,14 +11,6 @@ import torch
 
 from nemo_rz.models.config import DecoderConfig
 
-_RENAMED = {"input_layernorm.weight": "input_layernorm.weight",
-                "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
-                "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
-                "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
-                "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-                "mlp.down_proj.weight": "mlp.linear_fc2.weight"}
-
-
 def _qkv_groups(cfg: DecoderConfig) -> tuple[int, int]:
     return cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads * cfg.head_dim
 
@@ -37,45 +29,41 @@ def split_qkv(qkv: torch.Tensor, cfg: DecoderConfig) -> tuple[torch.Tensor, torc
     return (q.reshape(-1, *qkv.shape[1:]), k.reshape(-1, *qkv.shape[1:]), v.reshape(-1, *qkv.shape[1:]))
 
 
+def _one(parts):
+    return parts[0]
+
+
+def _rules(cfg: DecoderConfig):
+    """(Megatron name, its Hugging Face names, join them into it, split it into them) for every weight."""
+    same = (_one, lambda t: [t])
+    qkv = (lambda parts: fuse_qkv(*parts, cfg), lambda t: split_qkv(t, cfg))
+    gate_up = (torch.cat, lambda t: t.chunk(2))
+    yield "embedding.word_embeddings.weight", ["model.embed_tokens.weight"], *same
+    yield "decoder.final_layernorm.weight", ["model.norm.weight"], *same
+    if not cfg.tie_word_embeddings:
+        yield "output_layer.weight", ["lm_head.weight"], *same
+    for i in range(cfg.num_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        yield m + "input_layernorm.weight", [h + "input_layernorm.weight"], *same
+        yield m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"], *same
+        if cfg.qk_norm:
+            yield m + "self_attention.q_layernorm.weight", [h + "self_attn.q_norm.weight"], *same
+            yield m + "self_attention.k_layernorm.weight", [h + "self_attn.k_norm.weight"], *same
+        for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+            yield m + f"self_attention.linear_qkv.{kind}", [h + f"self_attn.{p}_proj.{kind}" for p in "qkv"], *qkv
+        yield m + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"], *same
+        yield m + "mlp.linear_fc1.weight", [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], *gate_up
+        yield m + "mlp.linear_fc2.weight", [h + "mlp.down_proj.weight"], *same
+
+
 def to_megatron(hf: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     """Hugging Face-named weights (the built-in Decoder's state_dict) -> Megatron GPTModel names, whole tensors."""
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for name, mname in _RENAMED.items():
-            if src + name in hf:
-                out[dst + mname] = hf[src + name]
-        a = src + "self_attn."
-        out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], cfg)
-        if cfg.attention_bias:
-            out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], cfg)
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
-    return out
+    return {m: join([hf[n] for n in names]) for m, names, join, _ in _rules(cfg)}
 
 
 def to_hf(meg: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     """Megatron names, whole tensors -> Hugging Face names (what the rollout engines load)."""
-    out = {"model.embed_tokens.weight": meg["embedding.word_embeddings.weight"],
-           "model.norm.weight": meg["decoder.final_layernorm.weight"]}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = meg["output_layer.weight"]
-    for i in range(cfg.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for name, mname in _RENAMED.items():
-            if src + mname in meg:
-                out[dst + name] = meg[src + mname]
-        a = dst + "self_attn."
-        for part, t in zip("qkv", split_qkv(meg[src + "self_attention.linear_qkv.weight"], cfg)):
-            out[a + f"{part}_proj.weight"] = t
-        if cfg.attention_bias:
-            for part, t in zip("qkv", split_qkv(meg[src + "self_attention.linear_qkv.bias"], cfg)):
-                out[a + f"{part}_proj.bias"] = t
-        gate, up = meg[src + "mlp.linear_fc1.weight"].chunk(2)
-        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
-    return out
+    return {n: t for m, names, _, split in _rules(cfg) for n, t in zip(names, split(meg[m]))}
 
 
 def _is_gated(name: str) -> bool:
