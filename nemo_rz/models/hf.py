@@ -211,7 +211,9 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str) -> dict[str, tor
             for name in f.keys():
                 if located.get(name) != file or name not in expected:
                     continue
-                t = f.get_tensor(name).to(cfg.torch_dtype).contiguous()
+                # An owned copy: get_tensor's result can sit inside the file's buffer, off the 64-byte alignment
+                # that row-invariant BLAS paths and fast SIMD loads expect (and tied to a mapping of the file).
+                t = f.get_tensor(name).to(cfg.torch_dtype).clone(memory_format=torch.contiguous_format)
                 if not bool(torch.isfinite(t).all()):
                     nonfinite.append(name)
                 out[name] = t

@@ -107,8 +107,8 @@ def _grouped_fast(x, experts, weight_t, bias):
 def _float_weights(weight_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """weight_t as a contiguous `dtype` tensor: itself when it is one, else a copy kept on it until it changes
     (as gemm.weight_t)."""
-    if weight_t.dtype == dtype and weight_t.is_contiguous():
-        return weight_t.detach()
+    if weight_t.dtype == dtype and weight_t.is_contiguous() and weight_t.data_ptr() % 64 == 0:
+        return weight_t.detach()  # aligned: so is each expert's slice (see _rows_times)
     key = (None if weight_t.is_inference() else weight_t._version, weight_t.data_ptr(), dtype)
     cached = getattr(weight_t, _COPY, None)
     if cached is None or cached[0] != key:
