@@ -446,7 +446,7 @@ def test_bad_arguments_are_clear_errors():
         quantize(torch.tensor(1.0), "fp8_current")
 
 
-# ---------------------------------------------------------------- batch invariance (issue 12, item 3)
+# ---------------------------------------------------------------- batch invariance
 def rows_alone_vs_in_batch(recipe: str, row_local: bool | None):
     g = torch.Generator().manual_seed(7)
     request = torch.randn(3, 256, generator=g)
