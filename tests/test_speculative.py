@@ -28,13 +28,13 @@ def draft():
     accepted and some refused)."""
     torch.manual_seed(0)
     head = DraftHead(MODEL.config, num_layers=1)
-    trainer = DraftTrainer(head, "cotrain", 5e-3, 1.0, steps=3, k=4)
-    outs = RolloutEngine(MODEL).generate(PROMPTS, SamplingParams(16, temperature=0.0))
-    outs += RolloutEngine(MODEL).generate(PROMPTS, SamplingParams(16, temperature=1.0, seed=1))
+    trainer = DraftTrainer(head, "cotrain", 8e-3, 1.0, steps=3, k=4)
+    outs = RolloutEngine(MODEL).generate(PROMPTS, SamplingParams(12, temperature=0.0))
+    outs += RolloutEngine(MODEL).generate(PROMPTS, SamplingParams(12, temperature=1.0, seed=1))
     batch = pack(outs)
     with aux_features(MODEL, head.aux_layers) as found, torch.no_grad():
         MODEL.token_logprobs(batch.input_ids, batch.lengths)
-    for _ in range(20):
+    for _ in range(12):
         trainer.step(MODEL, found[0], batch.input_ids, batch.mask, 1.0)
     return head
 
