@@ -116,19 +116,18 @@ class Decoder(nn.Module):
                     f"token id out of range [0, {cfg.vocab_size}) in the model input: "
                     "check the tokenizer matches the model's vocab_size"
                 )
-        layers = range(cfg.num_layers)
         t = dataclasses.replace(
             t,
             plan=t.plan or ops.AttentionPlan(t.seq_idx, t.positions, cfg.num_heads, cfg.num_kv_heads),
             ropes=t.ropes or {r: ops.rope_cos_sin(t.positions, cfg.head_dim, r[0], r[1])
-                              for r in dict.fromkeys(cfg.rope(i) for i in layers)},
+                              for r in dict.fromkeys(cfg.rope(i) for i in range(cfg.num_layers))},
             cache_rows=t.cache.rows(t) if t.cache_rows is None and isinstance(t.cache, KVCache) else t.cache_rows,
         )
         x = ops.embedding(t.ids, self.model.embed_tokens.weight)
         if cfg.embed_scale:
             x = x * embed_scale(cfg).to(x.device)
-        for block in self.model.layers:
-            x = block(x, t)
+        for layer in self.model.layers:
+            x = layer(x, t)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
