@@ -50,7 +50,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     reference quantizer does.
     """
     mag = x.abs()
-    code = torch.zeros(x.shape, dtype=torch.uint8)
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for mid, tie_up in _E2M1_MIDPOINTS:
         code += (mag >= mid if tie_up else mag > mid).to(torch.uint8)
     return code | ((x < 0).to(torch.uint8) << 3)
@@ -58,7 +58,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, 0..15) -> float32."""
-    grid = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32)
+    grid = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32, device=codes.device)
     return grid[codes.long()]
 
 

@@ -128,7 +128,7 @@ class QuantizedLinear(nn.Module):
         if self._cache is None or self._cache[0] != key:
             with torch.no_grad():
                 q = quantize_weight(w, self.precision.recipe)
-                values = w.detach().to(torch.bfloat16).float() if q is None else q.dequantize()
+                values = dequantized(w, "bf16", "weight") if q is None else q.dequantize()
             self._cache = (key, q, values)
         return self._cache[1], self._cache[2]
 
