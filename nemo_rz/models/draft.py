@@ -100,6 +100,7 @@ class DraftHead(nn.Module):
         self.combine = Linear(2 * h, h, False, dt)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dt)
+        self._head = None  # (the target's LM head weight, a detached alias of it)
 
     # -- pieces shared by training and inference -----------------------------------------------------
     def spec(self) -> dict:
@@ -124,7 +125,11 @@ class DraftHead(nn.Module):
     def logits(self, target: Decoder, g: torch.Tensor) -> torch.Tensor:
         """The target's LM head on the draft's hidden state (the head gets no gradient from the draft)."""
         head = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-        return ops.linear(self.norm(g), head.detach())
+        if self._head is None or self._head[0] is not head:
+            # One detached alias per head tensor: ops.linear keeps its [K, N] copy of a weight on the tensor
+            # object, so a fresh .detach() per call would redo that copy of the whole head every draft step.
+            self._head = (head, head.detach())
+        return ops.linear(self.norm(g), self._head[1])
 
     # -- inference -----------------------------------------------------------------------------------
     def new_cache(self, num_seqs: int, max_len: int) -> KVCache:
