@@ -32,32 +32,39 @@ def _model(seed: int, recipe: str | None = RECIPE):
     return apply_precision(model, recipe and {"recipe": recipe})
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
+def prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(1, 60, (n,), generator=g)]
 
 
-@pytest.fixture(scope="module")
-def served():
+def serve(learner, recipe: str):
+    """An in-process vLLM engine serving `learner`'s weights at `recipe` (closed when the generator is)."""
     from nemo_rz.generation.vllm import VLLMRolloutEngine
 
-    learner = _model(0)
     engine = VLLMRolloutEngine(learner.state_dict(), config=learner.config, max_batch_size=64, max_model_len=128,
-                               kernels="consistent", multiprocess=False, precision={"recipe": RECIPE})
+                               kernels="consistent", multiprocess=False, precision={"recipe": recipe})
     yield learner, engine
     engine.close()
 
 
+def assert_equal_logprobs_at(batch: int, learner, engine) -> None:
+    outs = engine.generate(prompts(batch, batch), SamplingParams(max_new_tokens=12, seed=batch))
+    assert count_diff(learner, outs) == (0, 12 * batch)
+
+
+@pytest.fixture(scope="module")
+def served():
+    yield from serve(_model(0), RECIPE)
+
+
 @pytest.mark.parametrize("batch", [1, 7, 64])
 def test_vllm_logprobs_equal_the_quantized_learner(served, batch):
-    learner, engine = served
-    outs = engine.generate(_prompts(batch, batch), SamplingParams(max_new_tokens=12, seed=batch))
-    assert count_diff(learner, outs) == (0, 12 * batch)
+    assert_equal_logprobs_at(batch, *served)
 
 
 def test_the_engine_really_runs_the_recipe(served):
     learner, engine = served
-    outs = engine.generate(_prompts(8, 3), SamplingParams(max_new_tokens=12, seed=3))
+    outs = engine.generate(prompts(8, 3), SamplingParams(max_new_tokens=12, seed=3))
     assert count_diff(learner, outs)[0] == 0
     assert count_diff(_model(0, None), outs)[0] > 0
     assert count_diff(_model(0, "mxfp4"), outs)[0] > 0
@@ -67,7 +74,7 @@ def test_weight_update_requantizes_inside_vllm(served):
     _, engine = served
     other = _model(1)
     engine.update_weights(other.state_dict(), version=1)
-    outs = engine.generate(_prompts(8, 4), SamplingParams(max_new_tokens=12, seed=4))
+    outs = engine.generate(prompts(8, 4), SamplingParams(max_new_tokens=12, seed=4))
     assert count_diff(other, outs)[0] == 0
     assert count_diff(_model(0), outs)[0] > 0
 

