@@ -36,6 +36,7 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 _SAFETENSORS_FLOAT = {"F64", "F32", "F16", "BF16"}
+_SAFETENSORS_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 _NAMES_SHOWN = 3
 
 
@@ -160,32 +161,25 @@ def _open(file: Path):
         ) from None
 
 
-def _load_tensors(files: list[Path], model: Decoder, arch: str) -> dict[str, torch.Tensor]:
-    cfg = model.config
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    per_expert = False
-    for file in files:
-        with _open(file) as f:
-            per_expert = per_expert or any(_PER_EXPERT.search(name) for name in f.keys())
-    expected = _per_expert_shapes(shapes, cfg) if per_expert else shapes
-    where = files[0] if len(files) == 1 else f"{files[0].parent} ({len(files)} shards)"
-    located: dict[str, Path] = {}
-    bad_shape, bad_type = [], []
+def _found(files: list[Path], cfg: DecoderConfig) -> dict[str, tuple[Path, tuple, str]]:
+    """{tensor name: (file, shape, safetensors dtype)} of every tensor the model could use, first file wins."""
+    found = {}
     for file in files:
         with _open(file) as f:
             for name in f.keys():
-                if _ignored(name, cfg) or name in located:
-                    continue
-                located[name] = file
-                if name in expected:
+                if not _ignored(name, cfg) and name not in found:
                     sl = f.get_slice(name)
-                    shape = tuple(sl.get_shape())
-                    if shape != expected[name]:
-                        bad_shape.append(f"{name} is {list(shape)} not {list(expected[name])}")
-                    if sl.get_dtype() not in _SAFETENSORS_FLOAT:
-                        bad_type.append(f"{name} ({sl.get_dtype()})")
-    missing = [n for n in expected if n not in located]
-    extra = [n for n in located if n not in expected]
+                    found[name] = (file, tuple(sl.get_shape()), sl.get_dtype())
+    return found
+
+
+def _check(found: dict[str, tuple[tuple, str]], expected: dict[str, tuple], where: str, arch: str, cfg: DecoderConfig) -> None:
+    """Names, shapes and float dtypes of the tensors found ({name: (shape, dtype)}) against the model's."""
+    missing = [n for n in expected if n not in found]
+    extra = [n for n in found if n not in expected]
+    bad_shape = [f"{n} is {list(shape)} not {list(expected[n])}" for n, (shape, _) in found.items()
+                 if n in expected and shape != expected[n]]
+    bad_type = [f"{n} ({dtype})" for n, (_, dtype) in found.items() if n in expected and dtype not in _SAFETENSORS_FLOAT]
     if missing:
         raise ModelFileError(
             f"{len(missing)} tensor(s) missing from {where}: {_names(missing)}; the weights do not match config.json "
@@ -205,18 +199,46 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str) -> dict[str, tor
         raise ModelFileError(
             f"{len(bad_type)} non-float tensor(s) in {where}: {_names(bad_type)}; nemo_rz loads float weights only"
         )
-    out, nonfinite = {}, []
+
+
+def _read(files: list[Path], found: dict, convert) -> dict[str, torch.Tensor]:
+    """convert(tensor) of every tensor in `found`, each file opened once."""
+    out = {}
     for file in files:
         with _open(file) as f:
             for name in f.keys():
-                if located.get(name) != file or name not in expected:
-                    continue
-                # An owned copy: get_tensor's result can sit inside the file's buffer, off the 64-byte alignment
-                # that row-invariant BLAS paths and fast SIMD loads expect (and tied to a mapping of the file).
-                t = f.get_tensor(name).to(cfg.torch_dtype).clone(memory_format=torch.contiguous_format)
-                if not bool(torch.isfinite(t).all()):
-                    nonfinite.append(name)
-                out[name] = t
+                if found.get(name, (None,))[0] == file:
+                    out[name] = convert(f.get_tensor(name))
+    return out
+
+
+def _owned(t: torch.Tensor, cfg: DecoderConfig) -> torch.Tensor:
+    # An owned copy: get_tensor's result can sit inside the file's buffer, off the 64-byte alignment that
+    # row-invariant BLAS paths and fast SIMD loads expect (and tied to a mapping of the file).
+    return t.to(cfg.torch_dtype).clone(memory_format=torch.contiguous_format)
+
+
+def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: dict | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the model's parameter names, checked; a quantized checkpoint's weights
+    (`quantization`: config.json's quantization_config) decoded exactly to float first."""
+    cfg = model.config
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    found = _found(files, cfg)
+    where = files[0] if len(files) == 1 else f"{files[0].parent} ({len(files)} shards)"
+    if quantization:
+        from nemo_rz.quant.checkpoints import dequantized
+
+        try:
+            tensors = dequantized(_read(files, found, lambda t: t), quantization)
+        except ValueError as e:
+            raise ModelFileError(f"{where}: {e}") from None
+        found = {n: (None, tuple(t.shape), _SAFETENSORS_NAMES.get(t.dtype, str(t.dtype))) for n, t in tensors.items()}
+    per_expert = any(_PER_EXPERT.search(name) for name in found)
+    expected = _per_expert_shapes(shapes, cfg) if per_expert else shapes
+    _check({n: (shape, dtype) for n, (_, shape, dtype) in found.items()}, expected, where, arch, cfg)
+    own = lambda t: _owned(t, cfg)  # noqa: E731
+    out = {n: own(t) for n, t in tensors.items()} if quantization else _read(files, found, own)
+    nonfinite = [n for n, t in out.items() if not bool(torch.isfinite(t).all())]
     if nonfinite:
         raise ModelFileError(
             f"non-finite values (NaN/Inf) in {len(nonfinite)} tensor(s) in {where}: {_names(nonfinite)}; the "
@@ -255,7 +277,7 @@ def load_hf(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> 
     files = _weight_files(root)
     with torch.device("meta"):  # no throw-away random init; the loaded tensors become the parameters
         model = Decoder(cfg)
-    state = _load_tensors(files, model, arch)
+    state = _load_tensors(files, model, arch, d.get("quantization_config"))
     model.load_state_dict(state, strict=True, assign=True)  # strict: every parameter replaced (Decoder has no buffers)
     return model.eval()
 

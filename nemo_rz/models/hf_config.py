@@ -45,6 +45,8 @@ ARCHITECTURES = {
 SUPPORTED = ", ".join(ARCHITECTURES)
 _BY_MODEL_TYPE = {f.model_type: arch for arch, f in ARCHITECTURES.items()}
 _DEFAULT_MAX_WINDOW_LAYERS = 28
+# quantization_config.quant_method -> the recipe that keeps the release's values (nemo_rz.quant.checkpoints)
+QUANTIZED_CHECKPOINTS = {"fp8": "fp8_block", "mxfp4": "mxfp4"}
 _GPT_OSS_SWIGLU_ALPHA = 1.702
 _GEMMA_LOCAL_THETA = 10000.0
 
@@ -317,10 +319,12 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
         raise ModelFileError(f"{source} holds a {type(d).__name__}, not a JSON object; fix or re-download config.json")
     arch = architecture_of(d, source)
     fam = ARCHITECTURES[arch]
-    if d.get("quantization_config"):
+    quant = d.get("quantization_config")
+    if quant and (not isinstance(quant, dict) or quant.get("quant_method") not in QUANTIZED_CHECKPOINTS):
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
         raise ModelFileError(
-            f"{source} describes a quantized checkpoint: nemo_rz loads unquantized float weights; "
-            "use the float32/bfloat16 release of the model"
+            f"{source} describes a quantized checkpoint (quant_method {method!r}): nemo_rz reads "
+            f"{' and '.join(QUANTIZED_CHECKPOINTS)} checkpoints; use one of these or the float release of the model"
         )
     extra = _family_keys(d, source, fam, arch)
     biased = {"qkv": True, "none": False}.get(fam.bias, _bool(d, "attention_bias", source, fam.model_type == "gpt_oss"))
