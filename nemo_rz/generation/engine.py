@@ -109,7 +109,7 @@ class RolloutEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], progress=None) -> list[Completion]:
         waiting = collections.deque(self._requests(prompts, params))
         if self._cache is None or self._cache.max_len < self.max_model_len:
-            self._cache = self.model.new_cache(self.max_batch_size, self.max_model_len)
+            self._cache = self.model.new_cache(self.max_batch_size, self.max_model_len, step_tokens=self._step_tokens())
         spec = self.speculator
         if spec is not None:
             spec.prepare(self.max_batch_size, self._cache.max_len)
@@ -145,6 +145,13 @@ class RolloutEngine:
                 if progress is not None:
                     progress(1)
         return [done[i] for i in range(len(done))]
+
+    def _step_tokens(self) -> int | None:
+        """The most tokens one step computes for a request (None: a whole prompt), which sizes sliding-window
+        layers' caches: a prefill chunk, or a speculative step's k + 1 target positions."""
+        if self.prefill_chunk is None:
+            return None
+        return max(self.prefill_chunk, 1 if self.speculator is None else self.speculator.k + 1)
 
     def _clear_slot(self, slot: int) -> None:
         for k, v in zip(self._cache.k, self._cache.v):

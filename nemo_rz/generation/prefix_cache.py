@@ -2,6 +2,10 @@
 
 A block is keyed by its tokens and everything before it (a hash chain), so a hit means the same prefix. The
 stored values are the bits the model computed; with row-invariant ops a hit and a miss give the same logprobs.
+
+A sliding-window layer whose cache is a ring (models.decoder.KVCache) keeps only its last positions: a block is
+stored for it only while the ring still holds it (None otherwise), and a hit stops where such a layer lacks a
+block that the positions after the hit still see.
 """
 from __future__ import annotations
 
@@ -30,30 +34,58 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def _span(self, cache: KVCache, layer: int, b: int) -> slice:
+        """The slots of block b in a layer's cache (a ring: positions modulo its slots)."""
+        start = (b * self.block_tokens) % cache.k[layer].shape[2]
+        return slice(start, start + self.block_tokens)
+
     def load(self, tokens: list[int], limit: int, cache: KVCache, slot: int) -> int:
-        """Copy the longest cached prefix (at most `limit` tokens, whole blocks) into `slot`; return its length."""
-        bt, hit = self.block_tokens, 0
-        for b, key in enumerate(self._keys(tokens, limit // bt)):
+        """Copy the longest usable cached prefix (at most `limit` tokens, whole blocks) into `slot`; return its
+        length."""
+        entries = []
+        for key in self._keys(tokens, limit // self.block_tokens):
             entry = self._blocks.get(key)
             if entry is None:
                 break
             self._blocks.move_to_end(key)
-            for layer, (k, v) in enumerate(zip(*entry)):
-                cache.k[layer][slot, :, b * bt : (b + 1) * bt] = k
-                cache.v[layer][slot, :, b * bt : (b + 1) * bt] = v
-            hit = (b + 1) * bt
-        return hit
+            entries.append(entry)
+        hit = len(entries)
+        while hit and not self._usable(entries, hit, cache):
+            hit -= 1
+        for b, (ks, vs) in enumerate(entries[:hit]):  # in position order: a ring ends up with the latest blocks
+            for layer, (k, v) in enumerate(zip(ks, vs)):
+                if k is not None:
+                    span = self._span(cache, layer, b)
+                    cache.k[layer][slot, :, span] = k
+                    cache.v[layer][slot, :, span] = v
+        return hit * self.block_tokens
+
+    def _usable(self, entries: list, hit: int, cache: KVCache) -> bool:
+        """Does every ring layer have the blocks that positions from hit * block_tokens on can still see (its
+        window back)?"""
+        bt = self.block_tokens
+        for layer, k in enumerate(cache.k):
+            if k.shape[2] < cache.max_len:
+                window = cache.windows[layer] if cache.windows else k.shape[2]
+                first = max(0, (hit * bt - window + 1) // bt)
+                if any(entries[b][0][layer] is None for b in range(first, hit)):
+                    return False
+        return True
 
     def store(self, tokens: list[int], cache: KVCache, slot: int) -> None:
-        """Remember every whole block of `tokens`, whose keys/values are in `slot`."""
+        """Remember every whole block of `tokens`, whose keys/values are in `slot` (all of them written: a ring
+        layer still holds the blocks of its last slots)."""
         bt = self.block_tokens
         for b, key in enumerate(self._keys(tokens, len(tokens) // bt)):
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 continue
-            span = slice(b * bt, (b + 1) * bt)
-            ks = torch.stack([k[slot, :, span] for k in cache.k]).clone()
-            vs = torch.stack([v[slot, :, span] for v in cache.v]).clone()
+            ks, vs = [], []
+            for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
+                held = b * bt >= len(tokens) - k.shape[2]
+                span = self._span(cache, layer, b)
+                ks.append(k[slot, :, span].clone() if held else None)
+                vs.append(v[slot, :, span].clone() if held else None)
             self._blocks[key] = (ks, vs)
             while len(self._blocks) > self.max_blocks:
                 self._blocks.popitem(last=False)

@@ -37,8 +37,12 @@ def _kv_head_offsets(kv_heads: int, max_len: int, device) -> torch.Tensor:
 
 @dataclasses.dataclass
 class KVCache:
-    """The built-in engine's cache: per-layer keys and values [num_seqs, num_kv_heads, max_len, head_dim]
-    (max_len a multiple of KV_BLOCK), row `seq_idx` for a sequence.
+    """The built-in engine's cache: per-layer keys and values [num_seqs, num_kv_heads, slots, head_dim] (slots a
+    multiple of KV_BLOCK), row `seq_idx` for a sequence, the key of position p at slot p % slots.
+
+    A full-attention layer has a slot for every position (`max_len`); a sliding-window layer may have fewer: a
+    ring that keeps the last window's keys and those of the tokens one step writes (Decoder.new_cache). A key
+    the window no longer sees may be overwritten: its slot is masked out (exact zero weight) wherever it is read.
 
     Any `nemo_rz.protocols.KVCacheProtocol` (write the new tokens' keys/values, view what `ops.attention` reads)
     can serve as `Tokens.cache`; the vLLM backend passes one over vLLM's paged cache.
@@ -46,29 +50,36 @@ class KVCache:
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    length: int | None = None  # positions served per sequence (None: the first layer's slots)
+    windows: list[int | None] | None = None  # each layer's attention window (None: full), for the prefix cache
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return self.length or self.k[0].shape[2]
 
-    def rows(self, t: "Tokens") -> torch.Tensor | None:
-        """Where each token's key/value rows go in the cache viewed as [S * Hkv * L, D] (None: not contiguous)."""
-        k = self.k[0]
-        if not k.is_contiguous():
+    def rows(self, t: "Tokens") -> dict[int, torch.Tensor] | None:
+        """{slots: where each token's key/value rows go in a layer with that many slots, viewed as
+        [S * Hkv * slots, D]} (None: not contiguous)."""
+        if not all(k.is_contiguous() for k in self.k):
             return None
-        kv_heads, max_len = k.shape[1], k.shape[2]
-        row = t.seq_idx.long()[:, None] * (kv_heads * max_len) + t.positions.long()[:, None]
-        return (row + _kv_head_offsets(kv_heads, max_len, row.device)).view(-1)
+        kv_heads, seq, pos = self.k[0].shape[1], t.seq_idx.long()[:, None], t.positions.long()[:, None]
+        out = {}
+        for slots in {k.shape[2] for k in self.k}:
+            row = seq * (kv_heads * slots) + (pos % slots if slots < self.max_len else pos)
+            out[slots] = (row + _kv_head_offsets(kv_heads, slots, row.device)).view(-1)
+        return out
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, t: "Tokens") -> None:
         k_all, v_all = self.k[layer], self.v[layer]
+        slots = k_all.shape[2]
         if t.cache_rows is None:
-            k_all[t.seq_idx, :, t.positions] = k.to(k_all.dtype)
-            v_all[t.seq_idx, :, t.positions] = v.to(v_all.dtype)
+            pos = t.positions % slots if slots < self.max_len else t.positions
+            k_all[t.seq_idx, :, pos] = k.to(k_all.dtype)
+            v_all[t.seq_idx, :, pos] = v.to(v_all.dtype)
         else:
-            dim = k.shape[-1]
-            k_all.view(-1, dim).index_copy_(0, t.cache_rows, k.reshape(-1, dim).to(k_all.dtype))
-            v_all.view(-1, dim).index_copy_(0, t.cache_rows, v.reshape(-1, dim).to(v_all.dtype))
+            dim, rows = k.shape[-1], t.cache_rows[slots]
+            k_all.view(-1, dim).index_copy_(0, rows, k.reshape(-1, dim).to(k_all.dtype))
+            v_all.view(-1, dim).index_copy_(0, rows, v.reshape(-1, dim).to(v_all.dtype))
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, None]:
         return self.k[layer], self.v[layer], None
@@ -86,7 +97,7 @@ class Tokens:
     # Per-forward values shared by the layers (filled in by Decoder.hidden):
     plan: ops.AttentionPlan | None = None  # attention bookkeeping (one for every window)
     ropes: dict | None = None  # (theta, scaling) -> rotation of each position (ops.rope_cos_sin)
-    cache_rows: torch.Tensor | None = None  # [N * Hkv] rows a KVCache writes (KVCache.rows)
+    cache_rows: dict | None = None  # {layer slots: [N * Hkv] rows} a KVCache writes (KVCache.rows)
 
 
 class Body(nn.Module):
@@ -161,16 +172,24 @@ class Decoder(nn.Module):
         return lp
 
     # -- rollout path ------------------------------------------------------------------------------
-    def new_cache(self, num_seqs: int, max_len: int, device=None) -> KVCache:
-        """Keys/values for `num_seqs` sequences of up to `max_len` tokens. A sliding-window layer's cache is as long
-        as a full layer's (its window is applied by the attention mask): the engine and the prefix cache address
-        the cache by position."""
+    def new_cache(self, num_seqs: int, max_len: int, device=None, step_tokens: int | None = None) -> KVCache:
+        """Keys/values for `num_seqs` sequences of up to `max_len` tokens. With `step_tokens` (the most tokens one
+        engine step writes for a sequence), a sliding-window layer keeps a ring of window - 1 + step_tokens
+        positions (rounded up to KV_BLOCK) instead of max_len: the keys its queries can still see. On CUDA every
+        layer keeps max_len (the Triton attention reads keys by position)."""
         cfg = self.config
         max_len += (-max_len) % ops.KV_BLOCK
-        shape = (num_seqs, cfg.num_kv_heads, max_len, cfg.head_dim)
-        dev = device or self.model.embed_tokens.weight.device
-        make = lambda: [torch.zeros(shape, dtype=cfg.torch_dtype, device=dev) for _ in range(cfg.num_layers)]
-        return KVCache(make(), make())
+        dev = torch.device(device) if device is not None else self.model.embed_tokens.weight.device
+
+        def slots(window: int | None) -> int:
+            if window is None or step_tokens is None or dev.type == "cuda":
+                return max_len
+            ring = window - 1 + step_tokens
+            return min(max_len, ring + (-ring) % ops.KV_BLOCK)
+
+        shapes = [(num_seqs, cfg.num_kv_heads, slots(w), cfg.head_dim) for w in cfg.windows()]
+        make = lambda: [torch.zeros(shape, dtype=cfg.torch_dtype, device=dev) for shape in shapes]
+        return KVCache(make(), make(), max_len, cfg.windows())
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, seq_idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run query tokens of any mix of sequences against (and into) `cache`; returns hidden [N, hidden]."""

@@ -186,8 +186,13 @@ def _attention_fast(q, k_cache, v_cache, scale, block_table, p: Padded, sinks=No
     else:
         qp = q.new_zeros(n_seqs * lay.q_len, heads, dim).index_copy_(0, lay.flat, q).view(n_seqs, lay.q_len, heads, dim)
     if block_table is None:
-        k = k_cache[:, :, : p.k_len].index_select(0, seqs)
-        v = v_cache[:, :, : p.k_len].index_select(0, seqs)
+        if p.k_len <= k_cache.shape[2]:
+            k = k_cache[:, :, : p.k_len].index_select(0, seqs)
+            v = v_cache[:, :, : p.k_len].index_select(0, seqs)
+        else:  # a ring (sliding-window layer): position p at slot p % slots; keys it lost are masked
+            slots = torch.arange(p.k_len, device=q.device) % k_cache.shape[2]
+            k = k_cache.index_select(0, seqs).index_select(2, slots)
+            v = v_cache.index_select(0, seqs).index_select(2, slots)
     else:
         kv_head = torch.arange(kv_heads, device=q.device)
         k = torch.stack([_key_rows(k_cache, seqs, kv_head.new_full((n_seqs,), h), p.key_pos, block_table) for h in range(kv_heads)], 1)

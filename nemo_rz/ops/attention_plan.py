@@ -140,8 +140,11 @@ class _Pairs:
         self._block_index = BoundedCache(4)  # blocks per (sequence, kv head) -> index
 
     def block_index(self, blocks_per_seq_head: int) -> torch.Tensor:
-        """Index of each pair's key block in a contiguous cache viewed as [S * Hkv * L / KV_BLOCK, KV_BLOCK, D]."""
-        return self._block_index.get(blocks_per_seq_head, lambda: self.pair_grp * blocks_per_seq_head + self.pair_j)
+        """Index of each pair's key block in a contiguous cache viewed as [S * Hkv * L / KV_BLOCK, KV_BLOCK, D]. A
+        cache with fewer slots than positions is a ring (block j at slot block j % blocks): the keys it no longer
+        holds are outside the window, masked wherever they are read."""
+        return self._block_index.get(blocks_per_seq_head,
+                                     lambda: self.pair_grp * blocks_per_seq_head + self.pair_j % blocks_per_seq_head)
 
 
 class Tiled:
