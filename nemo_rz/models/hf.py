@@ -89,14 +89,14 @@ def _names(items) -> str:
     return ", ".join(items[:_NAMES_SHOWN]) + more
 
 
-def _ignored(name: str, cfg: DecoderConfig) -> bool:
+def ignored_tensor(name: str, cfg: DecoderConfig) -> bool:
     # transformers ignores these too: RoPE buffers of old checkpoints, and the head of a tied model.
     return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
 # -- Qwen3-MoE experts: stacked in memory, one tensor per expert in files -------------------------------------
 _STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
-_PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _per_expert_shapes(shapes: dict[str, tuple], cfg: DecoderConfig) -> dict[str, tuple]:
@@ -118,9 +118,9 @@ def _per_expert_shapes(shapes: dict[str, tuple], cfg: DecoderConfig) -> dict[str
     return out
 
 
-def _stack_experts(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+def stack_experts(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
     """Per-expert tensors -> the model's stacked parameters (gate rows, then up rows)."""
-    out = {name: t for name, t in tensors.items() if not _PER_EXPERT.search(name)}
+    out = {name: t for name, t in tensors.items() if not PER_EXPERT.search(name)}
     for name, shape in shapes.items():
         if name.endswith(_STACKED[0]):
             base = name[: -len("gate_up_proj")]
@@ -167,7 +167,7 @@ def _found(files: list[Path], cfg: DecoderConfig) -> dict[str, tuple[Path, tuple
     for file in files:
         with _open(file) as f:
             for name in f.keys():
-                if not _ignored(name, cfg) and name not in found:
+                if not ignored_tensor(name, cfg) and name not in found:
                     sl = f.get_slice(name)
                     found[name] = (file, tuple(sl.get_shape()), sl.get_dtype())
     return found
@@ -233,7 +233,7 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: di
         except ValueError as e:
             raise ModelFileError(f"{where}: {e}") from None
         found = {n: (None, tuple(t.shape), _SAFETENSORS_NAMES.get(t.dtype, str(t.dtype))) for n, t in tensors.items()}
-    per_expert = any(_PER_EXPERT.search(name) for name in found)
+    per_expert = any(PER_EXPERT.search(name) for name in found)
     expected = _per_expert_shapes(shapes, cfg) if per_expert else shapes
     _check({n: (shape, dtype) for n, (_, shape, dtype) in found.items()}, expected, where, arch, cfg)
     own = lambda t: _owned(t, cfg)  # noqa: E731
@@ -244,7 +244,7 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: di
             f"non-finite values (NaN/Inf) in {len(nonfinite)} tensor(s) in {where}: {_names(nonfinite)}; the "
             "checkpoint is corrupt or from a diverged run — use an earlier checkpoint"
         )
-    return _stack_experts(out, shapes) if per_expert else out
+    return stack_experts(out, shapes) if per_expert else out
 
 
 def load_hf(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Decoder:

@@ -32,8 +32,7 @@ from nemo_rz import ops
 from nemo_rz.generation.vllm.attention import NemoRZAttentionBackend, PagedKVCache
 from nemo_rz.models.config import DTYPES
 from nemo_rz.models.decoder import Decoder, Tokens
-from nemo_rz.models.hf import CONFIG_FILE, config_from_hf
-from nemo_rz.models.hf import _PER_EXPERT as PER_EXPERT, _stack_experts as stack_experts
+from nemo_rz.models.hf import CONFIG_FILE, PER_EXPERT, config_from_hf, ignored_tensor, stack_experts
 from nemo_rz.quant.apply import apply_precision, forget_quantized_weights
 
 
@@ -135,10 +134,9 @@ class NemoRZForCausalLM(nn.Module):
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
         params = dict(self.named_parameters())
-        tied = self.config.tie_word_embeddings
         loaded, per_expert = set(), {}
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+            if ignored_tensor(name, self.config):
                 continue
             if PER_EXPERT.search(name):  # Qwen3-MoE files hold one tensor per expert: stacked below
                 per_expert[name] = tensor
