@@ -5,9 +5,17 @@ lengths with GQA, and so does branch attention against ops.attention over [main 
 Over 2 and 4 gloo processes every rank's outputs and gradients equal the one-process run's bit for bit.
 Negative controls: ops.attention in fast mode, and the ring's partials merged in arrival order instead of
 block order.
+
+A whole Decoder under context parallelism (cp_token_logprobs, a packed row of sequences of different lengths):
+its token logprobs equal model.token_logprobs on one process bit for bit, for 2 and 4 ranks, and so do the
+gradients reaching every layer's input (per token); the parameter gradients, added over ranks by
+reduce_gradients in a fixed tree, are the same bits on every rank and in every run, and equal one process's
+within float32 rounding (each rank's matmuls sum over its own tokens only). Negative controls: the model with
+fast kernels, the ring's partials in arrival order, and the ranks' gradients added in another order.
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 
@@ -16,9 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import tiny_model
 from nemo_rz import ops
 from nemo_rz.parallel import context
-from nemo_rz.parallel.context import ZigzagShard, branch_attention, ring_attention
+from nemo_rz.parallel.context import ZigzagShard, branch_attention, cp_token_logprobs, reduce_gradients, ring_attention
+from nemo_rz.parallel.tensor import gather_parts
 
 LENGTHS = (70, 150, 37, 200, 9)  # packed in one row; blocks of 32 keys: 3, 5, 2, 7, 1
 HEADS, KV_HEADS, DIM, STEPS = 4, 2, 16, 2
@@ -218,3 +228,141 @@ def _worker(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_over_gloo_equals_one_process(world):
     run_ranks(_worker, world)
+
+
+# -- a whole Decoder under context parallelism ---------------------------------------------------------------
+
+
+def _decoder():
+    return tiny_model(vocab_size=64)  # hidden 64, 2 layers, 4/2 heads, head_dim 16
+
+
+def _row(lengths=LENGTHS):
+    return torch.randint(0, 64, (sum(lengths),), generator=torch.Generator().manual_seed(2))
+
+
+def _dense_logprobs(model, ids, lengths=LENGTHS):
+    """model.token_logprobs of the sequences padded into one [B, T] batch, laid out like the packed row (0 at
+    each sequence's last token)."""
+    cu = _cu(lengths)
+    batch = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for s, (a, b) in enumerate(zip(cu, cu[1:])):
+        batch[s, : b - a] = ids[a:b]
+    lp = model.token_logprobs(batch, torch.tensor(lengths))
+    out = torch.zeros(sum(lengths))
+    for s, (a, b) in enumerate(zip(cu, cu[1:])):
+        out[a : b - 1] = lp[s, : b - a - 1]
+    return out
+
+
+def _loss_weights(shard=None):
+    w = torch.randn(sum(LENGTHS), generator=torch.Generator().manual_seed(3))
+    return w if shard is None else w[shard.index]
+
+
+def _decoder_grads(model, ids, group=None):
+    """cp_token_logprobs of the row, and after backward of a fixed weighting of them: the gradient reaching each
+    layer's input [n, hidden] (this rank's tokens) and the parameter gradients summed over ranks."""
+    model.zero_grad(set_to_none=True)
+    inputs = []
+
+    def keep(_module, args):
+        args[0].retain_grad()
+        inputs.append(args[0])
+
+    handles = [layer.register_forward_pre_hook(keep) for layer in model.model.layers]
+    try:
+        lp, shard = cp_token_logprobs(model, ids, _cu(), group)
+    finally:
+        for h in handles:
+            h.remove()
+    (lp * _loss_weights(shard)).sum().backward()
+    partial = {n: p.grad.clone() for n, p in model.named_parameters()}
+    reduce_gradients(model, group)
+    return lp.detach(), shard, [x.grad for x in inputs], {n: p.grad for n, p in model.named_parameters()}, partial
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 5e-6) -> bool:
+    return bool((a - b).abs().max() <= rel * b.abs().max())
+
+
+def test_decoder_one_process_equals_token_logprobs():
+    model, ids = _decoder(), _row()
+    lp, shard, _, grads, _ = _decoder_grads(model, ids)
+    ref = _dense_logprobs(model, ids)
+    assert torch.equal(shard.index, torch.arange(sum(LENGTHS))) and torch.equal(lp, ref)
+    # Negative control: the same model with the library's kernels gives other bits.
+    with ops.mode("fast"):
+        assert not torch.equal(_dense_logprobs(model, ids), lp)
+    # Gradients: the ring's attention backward sums the library backward's terms in other orders.
+    model.zero_grad()
+    (_dense_logprobs(model, ids) * _loss_weights()).sum().backward()
+    for name, p in model.named_parameters():
+        assert _close(grads[name], p.grad), name
+
+
+def test_decoder_refuses_what_the_ring_does_not_compute():
+    ids = _row()
+    for overrides, what in ((dict(sliding_window=64), "sliding-window"), (dict(attention_sinks=True), "attention sinks"),
+                            (dict(num_experts=4, num_experts_per_tok=2), "mixture-of-experts")):
+        with pytest.raises(ValueError, match=f"dense full-attention decoders; this model has {what}"):
+            cp_token_logprobs(tiny_model(vocab_size=64, **overrides), ids, _cu())
+    model = _decoder()
+    with pytest.raises(ValueError, match=r"one packed row of token ids \[cu_seqlens\[-1\]\]"):
+        cp_token_logprobs(model, ids[:-1], _cu())
+    with pytest.raises(ValueError, match="vocab_size"):
+        cp_token_logprobs(model, ids + 64, _cu())
+
+
+def _decoder_worker(rank: int, world: int, ref) -> None:
+    model, ids = _decoder(), _row()
+    lp, shard, layer_grads, grads, partial = _decoder_grads(model, ids)
+    i = shard.index
+    assert torch.equal(lp, ref["logprobs"][i])
+    assert torch.equal(shard.gather(lp), ref["logprobs"])
+    for got, want in zip(layer_grads, ref["layer_grads"]):
+        assert torch.equal(got, want[i])
+    for name, g in grads.items():
+        assert _close(g, ref["grads"][name]), name
+    # The reduced gradients: the same bits on every rank, and again in a second run.
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    assert all(torch.equal(part, flat) for part in gather_parts(flat))
+    again = _decoder_grads(model, ids)[3]
+    assert all(torch.equal(again[n], g) for n, g in grads.items())
+
+    # Rows too short to reach every rank: some ranks hold no tokens and still take part in the rings.
+    few, _ = cp_token_logprobs(model, ids[:45], [0, 20, 45])
+    assert torch.equal(few, ref["few"][ZigzagShard([0, 20, 45], world, rank).index])
+
+    # Negative controls. (1) The ring's partials merged in the order they arrived.
+    def arrival(n_rows, parts):
+        values = torch.cat([v.reshape(-1, v.shape[-1]) for v, _, _ in parts])
+        dest = torch.cat([d.reshape(-1) for _, d, _ in parts])
+        return values.new_zeros(n_rows, values.shape[-1]).index_add_(0, dest, values)
+
+    context._ordered_sum, ordered = arrival, context._ordered_sum
+    try:
+        bad = cp_token_logprobs(model, ids, _cu())[0]
+    finally:
+        context._ordered_sum = ordered
+    differs = torch.tensor([float(not torch.equal(bad, lp))])
+    dist.all_reduce(differs)
+    assert differs.item() > 0, "merging in ring-arrival order should change some bits"
+    # (2) The ranks' gradients added one after another as they might arrive (last rank first) instead of in
+    # the fixed tree: other bits (with 2 ranks there is one addition, and a + b == b + a).
+    if world > 2:
+        parts = gather_parts(torch.cat([g.reshape(-1) for g in partial.values()]))
+        folded = parts[-1]
+        for part in reversed(parts[:-1]):
+            folded = folded + part
+        assert not torch.equal(folded, flat), "adding the ranks' gradients in another order should change some bits"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_decoder_over_gloo_equals_one_process(world):
+    torch.set_num_threads(1)
+    model, ids = _decoder(), _row()
+    lp, _, layer_grads, grads, _ = _decoder_grads(model, ids)
+    few, _ = cp_token_logprobs(model, ids[:45], [0, 20, 45])
+    ref = dict(logprobs=lp, layer_grads=layer_grads, grads=grads, few=few.detach())
+    run_ranks(functools.partial(_decoder_worker, ref=ref), world)

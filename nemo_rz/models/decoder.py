@@ -11,6 +11,7 @@ Both end in the same ops, so for the same weights and tokens they compute the sa
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -94,6 +95,7 @@ class Tokens:
     seq_idx: torch.Tensor  # [N]
     cache: KVCacheProtocol | None = None  # None: a dense [B, T] learner batch, its own cache
     dense: tuple[int, int] | None = None
+    attend: Callable | None = None  # (q, k, v, scale) -> out, in place of ops.attention (context parallelism)
     # Per-forward values shared by the layers (filled in by Decoder.hidden):
     plan: ops.AttentionPlan | None = None  # attention bookkeeping (one for every window)
     ropes: dict | None = None  # (theta, scaling) -> rotation of each position (ops.rope_cos_sin)

@@ -95,6 +95,9 @@ class Attention(nn.Module):
         rope, window = cfg.rope(self.layer), cfg.window(self.layer)
         q = ops.rope(q, t.positions, rope[0], t.ropes[rope])
         k = ops.rope(k, t.positions, rope[0], t.ropes[rope])
+        if t.attend is not None:  # attention computed elsewhere: over context-parallel ranks (parallel/context.py)
+            out = t.attend(q, k, v, cfg.attention_scale)
+            return self.o_proj(out.reshape(n, cfg.num_heads * cfg.head_dim))
         if t.cache is None:
             b, length = t.dense
             pad = (-length) % ops.KV_BLOCK

@@ -43,11 +43,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nemo_rz import ops
+from nemo_rz.models.decoder import Decoder, Tokens
 from nemo_rz.ops.attention import _EXP_FLOOR, KV_BLOCK
 from nemo_rz.ops.attention_plan import ones_columns, tile_rows
 from nemo_rz.ops.verified import one_thread
+from nemo_rz.parallel.tensor import gather_parts, tree_sum
 
-__all__ = ["ZigzagShard", "branch_attention", "ring_attention"]
+__all__ = ["ZigzagShard", "branch_attention", "cp_token_logprobs", "reduce_gradients", "ring_attention"]
 
 _RING_TAG, _RETURN_TAG = 11, 12  # point-to-point tags: ring transfers, dK/dV partials on their way home
 
@@ -106,6 +109,56 @@ class ZigzagShard:
             index = ZigzagShard(self.cu_seqlens, self.world, q).index
             out[index] = part[: index.shape[0]]
         return out
+
+
+def cp_token_logprobs(model: Decoder, input_ids: torch.Tensor, cu_seqlens, group=None,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, ZigzagShard]:
+    """The decoder's token logprobs of a packed row over the ranks of `group` (None: the default group, or one
+    process without torch.distributed). Every rank passes the whole row `input_ids` [T] (T = cu_seqlens[-1]);
+    each runs the model on its shard's tokens only (attention through `ring_attention`).
+
+    Returns (float32 [n] in the shard's local order: log p(token after it | its sequence so far) at
+    `temperature`, 0 at each sequence's last token; the shard). Differentiable: after backward each rank
+    holds its part of the parameter gradients (`reduce_gradients` adds them up); `shard.gather(logprobs,
+    group)` puts every rank's values back in row order."""
+    cfg = model.config
+    kinds = [name for name, used in (("sliding-window attention", any(w is not None for w in cfg.windows())),
+                                     ("attention sinks", cfg.attention_sinks),
+                                     ("mixture-of-experts layers", cfg.num_experts > 0)) if used]
+    if kinds:
+        raise ValueError(f"context parallelism runs dense full-attention decoders; this model has {', '.join(kinds)}: "
+                         "run it without context parallelism (Decoder.token_logprobs)")
+    cu = [int(c) for c in cu_seqlens]
+    if input_ids.dim() != 1 or input_ids.is_floating_point() or input_ids.shape[0] != cu[-1]:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} {input_ids.dtype}: need one packed row of token ids "
+                         f"[cu_seqlens[-1]] = [{cu[-1]}]")
+    world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
+    shard = ZigzagShard(cu, world, rank)
+    attend = lambda q, k, v, scale: ring_attention(q, k, v, shard, scale, group)
+    hidden = model.hidden(Tokens(input_ids[shard.index], shard.positions, shard.seq_idx, attend=attend))
+    lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
+    scored = (shard.positions < lengths[shard.seq_idx] - 1).nonzero().squeeze(1)  # tokens with a next token
+    targets = input_ids[shard.index[scored] + 1]
+    lp = ops.token_logprobs(model.logits(hidden.index_select(0, scored)), targets, temperature)
+    return lp.new_zeros(hidden.shape[0]).index_copy(0, scored, lp), shard
+
+
+def reduce_gradients(module: torch.nn.Module, group=None) -> None:
+    """Replace each parameter's gradient on every rank of `group` by the sum of all ranks' gradients, added in a
+    fixed tree over rank order (parallel.tensor.tree_sum), never in arrival order: the same bits on every rank
+    and in every run. Holds every rank's gradients at once (world copies), which suits this project's CPU
+    learners. A parameter without a gradient counts as zeros."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in module.parameters():
+        if p.requires_grad:
+            by_dtype.setdefault(p.dtype, []).append(p)
+    for params in by_dtype.values():
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        total = tree_sum(gather_parts(flat, group))
+        for p, g in zip(params, total.split([p.numel() for p in params])):
+            p.grad = g.view_as(p)
 
 
 def ring_attention(q, k, v, shard: ZigzagShard, scale: float, group=None) -> torch.Tensor:
