@@ -1,4 +1,5 @@
-"""Context parallelism: zigzag ring attention over packed sequences, with branch attention for a draft.
+"""Context parallelism: zigzag ring attention over packed sequences, with branch attention for a draft, and a
+whole Decoder's learner forward and backward split over the ranks.
 
 Sharding (`ZigzagShard`). A packed row holds sequences back to back (`cu_seqlens`). Each sequence is cut into
 blocks of KV_BLOCK tokens, its blocks into 2W chunks of nearly equal size, and rank r holds chunks c and
@@ -34,6 +35,16 @@ ops.attention over that sequence, with the query at position p + j, gives the sa
 
 Full causal attention only (no sliding window, no sinks), on CPU tensors, with the arithmetic above in either
 ops mode; queries and keys of one token share a rank.
+
+A whole Decoder (`cp_token_logprobs`): each rank runs the model's own modules (embedding, norms, projections,
+MLPs, LM head and log-softmax, all nemo_rz.ops) on its shard's tokens, and the attention of every layer through
+`ring_attention` (the model's Attention hands q, k, v to `Tokens.attend`). The consistent ops compute each
+token's row alone, so every rank's logprobs, and the gradients reaching each token's activations, are the bits
+one process computes (tests/test_context_parallel.py checks both for 2 and 4 ranks). A parameter's gradient is
+a sum over tokens, and each rank's matmuls sum over its own tokens only: `reduce_gradients` gathers the ranks'
+partial gradients and adds them in a fixed tree over rank order, so every rank and every run gets the same
+bits, equal to one process's sum over all tokens within float32 rounding (under 1e-6 of each parameter's
+largest entry in the tests' model). Dense full-attention models only: sliding windows, sinks and mixtures of experts are refused.
 """
 from __future__ import annotations
 
