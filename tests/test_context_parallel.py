@@ -189,6 +189,13 @@ def _in_group(rank: int, world: int, port: int, fn) -> None:
         dist.destroy_process_group()
 
 
+def _arrival_order(n_rows, parts):
+    """context._ordered_sum's partials added in the order they were computed (ring arrival), not by key."""
+    values = torch.cat([v.reshape(-1, v.shape[-1]) for v, _, _ in parts])
+    dest = torch.cat([d.reshape(-1) for _, d, _ in parts])
+    return values.new_zeros(n_rows, values.shape[-1]).index_add_(0, dest, values)
+
+
 def _worker(rank: int, world: int) -> None:
     inputs = _inputs()
     # The one-process run (already shown equal to ops.attention) is the reference for every rank.
@@ -210,12 +217,7 @@ def _worker(rank: int, world: int) -> None:
     assert torch.equal(got, ref[few.index]) and all(torch.equal(a, b[few.index]) for a, b in zip(got_grads, ref_grads))
 
     # Negative control: the same partials merged in the order they arrived round the ring.
-    def arrival(n_rows, parts):
-        values = torch.cat([v.reshape(-1, v.shape[-1]) for v, _, _ in parts])
-        dest = torch.cat([d.reshape(-1) for _, d, _ in parts])
-        return values.new_zeros(n_rows, values.shape[-1]).index_add_(0, dest, values)
-
-    context._ordered_sum, ordered = arrival, context._ordered_sum
+    context._ordered_sum, ordered = _arrival_order, context._ordered_sum
     try:
         bad = branch_attention(*_local(inputs, shard), shard, SCALE)[0]
     finally:
@@ -334,20 +336,17 @@ def _decoder_worker(rank: int, world: int, ref) -> None:
     few, _ = cp_token_logprobs(model, ids[:45], [0, 20, 45])
     assert torch.equal(few, ref["few"][ZigzagShard([0, 20, 45], world, rank).index])
 
-    # Negative controls. (1) The ring's partials merged in the order they arrived.
-    def arrival(n_rows, parts):
-        values = torch.cat([v.reshape(-1, v.shape[-1]) for v, _, _ in parts])
-        dest = torch.cat([d.reshape(-1) for _, d, _ in parts])
-        return values.new_zeros(n_rows, values.shape[-1]).index_add_(0, dest, values)
-
-    context._ordered_sum, ordered = arrival, context._ordered_sum
+    # Negative controls. (1) The ring's partials merged in the order they arrived: other logprobs and other
+    # gradients at the layers' inputs.
+    context._ordered_sum, ordered = _arrival_order, context._ordered_sum
     try:
-        bad = cp_token_logprobs(model, ids, _cu())[0]
+        bad, _, bad_layer_grads, _, _ = _decoder_grads(model, ids)
     finally:
         context._ordered_sum = ordered
-    differs = torch.tensor([float(not torch.equal(bad, lp))])
+    differs = torch.tensor([float(not torch.equal(bad, lp)),
+                            float(any(not torch.equal(a, b) for a, b in zip(bad_layer_grads, layer_grads)))])
     dist.all_reduce(differs)
-    assert differs.item() > 0, "merging in ring-arrival order should change some bits"
+    assert differs.min().item() > 0, "merging in ring-arrival order should change some bits"
     # (2) The ranks' gradients added one after another as they might arrive (last rank first) instead of in
     # the fixed tree: other bits (with 2 ranks there is one addition, and a + b == b + a).
     if world > 2:
