@@ -46,13 +46,13 @@ def learner_diff(model, outs) -> int:
     return int((lp[valid] != batch.rollout_logprobs[valid]).sum())
 
 
-def measure(model, draft, k, prompts, max_new, batch_size, seed=7) -> dict:
+def measure(model, draft, k, prompts, max_new, batch_size, seed=7, stop=()) -> dict:
     """One timed generate of `prompts` (after an untimed one for warm-up: probes, caches)."""
     def engine():
         spec = None if draft is None else Speculator(draft, k)
         return RolloutEngine(model, max_batch_size=batch_size, prefix_cache_blocks=0, speculator=spec)
 
-    params = SamplingParams(max_new, temperature=1.0, seed=seed)
+    params = SamplingParams(max_new, temperature=1.0, seed=seed, stop_token_ids=tuple(stop))
     engine().generate(prompts[: max(batch_size, 2)], params)
     eng = engine()
     wall, cpu = time.perf_counter(), time.process_time()
@@ -64,21 +64,38 @@ def measure(model, draft, k, prompts, max_new, batch_size, seed=7) -> dict:
                 per_pass=(s["spec_accepted"] + s["spec_verify"]) / max(s["spec_verify"], 1), diff=learner_diff(model, outs))
 
 
-def train_offline(model, draft_trainer, prompts, max_new, updates, pool=4, seed=0, log=print):
-    """The draft's own training loop on the model's samples (what co-training does per RL batch, without RL):
-    `pool` batches of samples, generated once, visited in turn."""
-    engine = RolloutEngine(model, max_batch_size=len(prompts))
+def samples(model, draft, prompts, max_new, chunk=16, seed=0, stop=(), log=print):
+    """The model's own samples of `prompts` at temperature 1 as packed batches of `chunk` completions, each with
+    the draft's inputs from one learner forward: (batch, aux features, final hidden states)."""
+    engine = RolloutEngine(model, max_batch_size=min(len(prompts), 96))
+    outs = engine.generate(prompts, SamplingParams(max_new, temperature=1.0, seed=seed, stop_token_ids=tuple(stop)))
     data = []
-    for i in range(min(pool, updates)):
-        batch = pack(engine.generate(prompts, SamplingParams(max_new, temperature=1.0, seed=seed + i * 10_007)))
-        with aux_features(model, draft_trainer.draft.aux_layers) as found, torch.no_grad():
+    for i in range(0, len(outs), chunk):
+        batch = pack(outs[i : i + chunk])
+        with aux_features(model, draft.aux_layers, final=True) as found, torch.no_grad():
             model.token_logprobs(batch.input_ids, batch.lengths)
-        data.append((batch, found[0]))
+        data.append((batch, *found[0]))
+    log(f"  {len(outs)} samples, {sum(len(o.token_ids) for o in outs)} tokens")
+    return data
+
+
+def train_offline(model, draft_trainer, data, updates, held=None, log=print):
+    """The draft's own training loop on the model's samples (what co-training does per RL batch, without RL):
+    the draft vocabulary from all of `data`'s completions, then `updates` steps visiting its batches in turn;
+    with `held`, the estimated acceptance on those batches is logged as training goes."""
+    draft_trainer.draft.choose_vocab(torch.cat([b.input_ids[:, 1:][b.mask.bool()] for b, _, _ in data]))
+    draft_trainer.vocab_pending = False
+    frozen = DraftTrainer(draft_trainer.draft, "frozen", 1.0, 1.0, draft_trainer.steps, draft_trainer.k)
+    start = time.time()
     for u in range(updates):
-        batch, aux = data[u % len(data)]
-        m = draft_trainer.step(model, aux, batch.input_ids, batch.mask, 1.0, batch.rollout_logprobs)
-        if u % max(updates // 5, 1) == 0 or u == updates - 1:
-            log(f"  offline draft step {u}: loss {m['draft_loss']:.3f} est. accept {m['draft_accept_rate']:.3f}")
+        batch, aux, final = data[u % len(data)]
+        m = draft_trainer.step(model, aux, batch.input_ids, batch.mask, 1.0, batch.rollout_logprobs, final=final)
+        if u % max(updates // 10, 1) == 0 or u == updates - 1:
+            line = f"  offline draft step {u}: loss {m['draft_loss']:.3f} est. accept {m['draft_accept_rate']:.3f}"
+            if held:
+                est = [frozen.step(model, a, b.input_ids, b.mask, 1.0, b.rollout_logprobs, final=f) for b, a, f in held]
+                line += f" | held out {sum(e['draft_accept_rate'] for e in est) / len(est):.3f}"
+            log(line + f" ({time.time() - start:.0f} s)")
 
 
 def table(rows: list[tuple], title: str) -> str:
@@ -111,11 +128,14 @@ def run_task(args) -> str:
     rng = random.Random(12345)
     held_out = [trainer.task.encode_prompt(p.prompt) for p in trainer.task.sample(args.prompts, rng)]
     train_prompts = [trainer.task.encode_prompt(p.prompt) for p in trainer.task.sample(64, random.Random(1))]
-    max_new = cfg.algo.max_new_tokens
+    max_new, stop = cfg.algo.max_new_tokens, trainer.tok.eos_ids
     print(f"offline draft on the warmed-up policy ({args.draft_updates} steps)")
     offline = DraftTrainer(trainer.draft.draft, "cotrain", cfg.draft.lr, 1.0, cfg.draft.steps, args.k)
-    train_offline(trainer.model, offline, train_prompts, max_new, args.draft_updates)
-    frozen = DraftHead(trainer.model.config, trainer.draft.draft.aux_layers, len(trainer.draft.draft.layers))
+    data = samples(trainer.model, offline.draft, train_prompts * 4, max_new, chunk=64, stop=stop)
+    train_offline(trainer.model, offline, data, args.draft_updates)
+    trainer.draft.vocab_pending = False  # the offline draft chose it
+    frozen = DraftHead(trainer.model.config, trainer.draft.draft.aux_layers, len(trainer.draft.draft.layers),
+                       trainer.draft.draft.vocab.numel())
     frozen.load_state_dict(trainer.draft.draft.state_dict())
     trainer.history[trainer.version] = trainer.learner.state_dict_copy()  # version 0 ships the trained draft
     snaps = {0: trainer.history[trainer.version]}
@@ -134,12 +154,12 @@ def run_task(args) -> str:
         target_sd, draft_sd = split_state(state)
         model = Decoder(trainer.model.config).eval()
         model.load_state_dict(target_sd)
-        cotrained = DraftHead(model.config, frozen.aux_layers, len(frozen.layers))
+        cotrained = DraftHead(model.config, frozen.aux_layers, len(frozen.layers), frozen.vocab.numel())
         cotrained.load_state_dict(draft_sd)
         for bs in args.batch_sizes:
             prompts = held_out[: args.prompts if bs > 1 else max(args.prompts // 4, 4)]
             for name, draft in (("none", None), ("frozen", frozen), ("cotrained", cotrained)):
-                r = measure(model, draft, args.k, prompts, max_new, bs)
+                r = measure(model, draft, args.k, prompts, max_new, bs, stop=stop)
                 rows.append((v, bs, name, r))
                 print(v, bs, name, {k: round(x, 3) for k, x in r.items()})
     est = [(m["update"], m.get("draft_accept_rate"), m.get("draft_loss")) for m in metrics if m["update"] % args.every == 0]
@@ -151,33 +171,48 @@ def run_task(args) -> str:
 
 
 def run_model(args) -> str:
+    from nemo_rz.models.draft import load_draft, save_draft
     from nemo_rz.models.hf import load_hf
 
     with tempfile.TemporaryDirectory() as d:
         model = load_hf(shapes.checkpoint(args, d)).eval()
     torch.manual_seed(0)
-    vocab = model.config.vocab_size
+    n = args.prompts + args.train_prompts
+    vocab, stop = model.config.vocab_size, ()
     rng = random.Random(3)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(8, 24))] for _ in range(args.prompts)]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(8, 24))] for _ in range(n)]
     if args.model:  # a real model: start from its own text rather than random token soup
         from nemo_rz.tasks import make_task
 
         task = make_task("add2", tokenizer=args.model, chat_template=True)
-        prompts = [task.encode_prompt(p.prompt) for p in task.sample(args.prompts, random.Random(3))]
-    head = DraftHead(model.config, num_layers=1)
-    trainer = DraftTrainer(head, "cotrain", args.lr, 1.0, 3, args.k)
-    print(f"offline draft ({args.draft_updates} steps)")
-    train_offline(model, trainer, prompts[len(prompts) // 2 :], args.max_new_tokens, args.draft_updates)
+        prompts = [task.encode_prompt(p.prompt) for p in task.sample(n, random.Random(3))]
+        stop = task.tokenizer.eos_ids
+    held_out, train_prompts = prompts[: args.prompts], prompts[args.prompts :]
+    if args.load_draft:
+        head = load_draft(args.load_draft, model)
+        what_draft = f"draft loaded from {args.load_draft}"
+    else:
+        head = DraftHead(model.config, num_layers=1, vocab_size=args.vocab_size)
+        trainer = DraftTrainer(head, "cotrain", args.lr, 1.0, args.steps, args.k)
+        print(f"samples for the draft ({len(train_prompts)} prompts)")
+        data = samples(model, head, train_prompts, args.max_new_tokens, stop=stop)
+        held = samples(model, head, held_out[:16], args.max_new_tokens, seed=99, stop=stop)
+        print(f"offline draft ({args.draft_updates} steps)")
+        train_offline(model, trainer, data, args.draft_updates, held)
+        if args.save_draft:
+            save_draft(head, args.save_draft)
+        what_draft = (f"draft trained offline for {args.draft_updates} steps on {len(train_prompts)} prompts' samples, "
+                      f"vocabulary {head.vocab.numel()}")
     rows = []
     for bs in args.batch_sizes:
-        ps = prompts[: min(max(bs * 2, 4), len(prompts) // 2)]  # held out from the draft's training
+        ps = held_out[: max(bs * 2, 4)]
         for name, draft in (("none", None), ("trained", head)):
-            r = measure(model, draft, args.k, ps, args.max_new_tokens, bs)
+            r = measure(model, draft, args.k, ps, args.max_new_tokens, bs, stop=stop)
             rows.append(("-", bs, name, r))
             print(bs, name, {k: round(x, 3) for k, x in r.items()})
     what = args.model or f"preset {args.preset}"
     return table(rows, f"### Speculative rollouts, {what} ({datetime.date.today()}): k={args.k}, "
-                       f"max_new_tokens={args.max_new_tokens}, draft trained {args.draft_updates} steps offline")
+                       f"max_new_tokens={args.max_new_tokens}, {what_draft}")
 
 
 def main() -> None:
@@ -191,9 +226,14 @@ def main() -> None:
     m = sub.add_parser("model")
     shapes.add_arguments(m)
     m.add_argument("--draft-updates", type=int, default=60)
-    m.add_argument("--prompts", type=int, default=32)
-    m.add_argument("--max-new-tokens", type=int, default=32)
-    m.add_argument("--lr", type=float, default=1e-3)
+    m.add_argument("--prompts", type=int, default=32, help="held-out prompts for the measurement")
+    m.add_argument("--train-prompts", type=int, default=96, help="prompts whose samples train the draft")
+    m.add_argument("--max-new-tokens", type=int, default=64)
+    m.add_argument("--lr", type=float, default=3e-3)
+    m.add_argument("--steps", type=int, default=3, help="training-time-test steps")
+    m.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary")
+    m.add_argument("--save-draft", help="save the trained draft here (nemo_rz.models.draft.save_draft)")
+    m.add_argument("--load-draft", help="measure a saved draft instead of training one")
     for p in (t, m):
         p.add_argument("--k", type=int, default=4)
         p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])

@@ -187,6 +187,7 @@ SCHEMA: dict[str, Key] = {
                          why="YAML reads a bare off as false, which means off too"),
     "draft.aux_layers": Key("ints", 0, optional=True, null_means="for EAGLE-3's low, middle and high layers", fixed=True),
     "draft.num_layers": Int(1, fixed=True),
+    "draft.vocab_size": Int(1, optional=True, null_means="for the target's whole vocabulary", fixed=True),
     "draft.steps": Int(1, why="training-time-test steps, each fed by the one before"),
     "draft.k": Int(1, 16, why="draft tokens proposed per target pass"),
     "draft.lr": Positive(),

@@ -256,7 +256,7 @@ def test_rollout_worker_runs_the_learners_recipe():
     config = {k: v for k, v in learner.config.to_dict().items() if k != "dtype"}
     worker = RolloutWorker(config, "consistent", "float32", 8, 64, 1, precision={"recipe": "nvfp4"})
     worker.load(0, learner.state_dict())
-    wire, _ = worker.run(Job(0, 0, _prompts(5, 8), 10, 1.0, seed=5, stop_token_ids=()))
+    wire, _, _ = worker.run(Job(0, 0, _prompts(5, 8), 10, 1.0, seed=5, stop_token_ids=()))
     outs = decode_completions(wire)
     assert count_diff(learner, outs)[0] == 0
     assert count_diff(tiny_model(), outs)[0] > 0  # negative control: an unquantized learner

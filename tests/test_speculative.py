@@ -22,12 +22,13 @@ PROMPTS = [SHARED[: RNG.randrange(17, 40)] + [RNG.randrange(48) for _ in range(R
 PROMPTS += [[3, 4, 5], [9, 8, 7, 6, 5, 4, 3]]
 
 
-@pytest.fixture(scope="module")
-def draft():
+@pytest.fixture(scope="module", params=[None, 12], ids=["full-vocab", "vocab-12"])
+def draft(request):
     """A draft co-trained a little on the target's own greedy and sampled completions (so some proposals are
-    accepted and some refused)."""
+    accepted and some refused); with the whole vocabulary, or with 12 tokens chosen from the completions (the
+    target then emits tokens the draft cannot propose)."""
     torch.manual_seed(0)
-    head = DraftHead(MODEL.config, num_layers=1)
+    head = DraftHead(MODEL.config, num_layers=1, vocab_size=request.param)
     trainer = DraftTrainer(head, "cotrain", 8e-3, 1.0, steps=3, k=4)
     outs = RolloutEngine(MODEL).generate(PROMPTS, SamplingParams(12, temperature=0.0))
     outs += RolloutEngine(MODEL).generate(PROMPTS, SamplingParams(12, temperature=1.0, seed=1))
@@ -114,13 +115,15 @@ def _target_joint(model, prompt, vocab):
     return lp.exp()
 
 
-def test_sampled_tokens_follow_the_target_distribution():
-    """Chi-square over the joint of 3 tokens (2 of them speculative) on a 4-token vocabulary; a verifier that
-    accepts every draft token (negative control) follows the draft instead and fails the same test."""
+@pytest.mark.parametrize("draft_vocab", [None, 2])
+def test_sampled_tokens_follow_the_target_distribution(draft_vocab):
+    """Chi-square over the joint of 3 tokens (2 of them speculative) on a 4-token vocabulary, with a draft over
+    all 4 tokens or over 2 of them (q = 0 for the others); a verifier that accepts every draft token (negative
+    control) follows the draft instead and fails the same test."""
     vocab, prompt, n = 4, [1, 2, 3], 2000
     target = tiny_model(seed=4, vocab_size=vocab)
     torch.manual_seed(5)
-    head = DraftHead(target.config)
+    head = DraftHead(target.config, vocab_size=draft_vocab)
     with torch.no_grad():
         for p in head.parameters():
             if p.dim() == 2:

@@ -1,8 +1,10 @@
 """Online draft co-training: the draft learns from the features the learner's RL forward already computed.
 
-Each update hands the draft the batch's auxiliary-layer features (detached: no gradient reaches the policy)
-and the batch's tokens; the draft takes one step of its own Adam on its training-time-test loss. A frozen
-draft (mode "frozen") only reports the same numbers.
+Each update hands the draft the batch's auxiliary-layer features and final hidden states (detached: no
+gradient reaches the policy) and the batch's tokens; the draft takes one step of its own Adam on its
+training-time-test loss, distilled from the target's distribution. A fresh draft with a reduced vocabulary takes
+it from the completion tokens of the first batch it trains on. A frozen draft (mode "frozen") only reports the
+same numbers.
 
 The acceptance numbers are estimates from the batch itself: the rollout sampled each completion token x from
 the target p, so mean(min(1, q(x) / p(x))) over the batch estimates the acceptance rate sum_x min(p, q) of
@@ -36,7 +38,7 @@ def summary(metrics: dict[str, float], k: int) -> dict[str, float]:
 
 class DraftTrainer:
     def __init__(self, draft: DraftHead, mode: str, lr: float, loss_weight: float, steps: int, k: int,
-                 grad_clip: float | None = None):
+                 grad_clip: float | None = None, fresh: bool = True):
         if mode not in MODES[1:]:
             raise ValueError(f"draft.mode = {mode!r}: a DraftTrainer is for cotrain or frozen")
         if steps < 1:
@@ -44,14 +46,22 @@ class DraftTrainer:
         self.draft, self.mode, self.steps, self.k = draft, mode, steps, k
         self.lr, self.loss_weight, self.grad_clip = lr, loss_weight, grad_clip
         self.opt = torch.optim.Adam(draft.parameters(), lr=lr) if mode == "cotrain" else None
+        self.vocab_pending = fresh and self.opt is not None and not draft.full_vocab  # chosen by the first step
 
     def step(self, target, aux: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor, temperature: float,
-             rollout_logprobs: torch.Tensor | None = None, what: str = "draft") -> dict[str, float]:
-        """One co-training step (cotrain) or only its numbers (frozen); returns the summary metrics."""
+             rollout_logprobs: torch.Tensor | None = None, what: str = "draft",
+             final: torch.Tensor | None = None) -> dict[str, float]:
+        """One co-training step (cotrain) or only its numbers (frozen) on a batch's target features `aux` (and
+        final hidden states `final`, for distillation); returns the summary metrics."""
         train = self.opt is not None
+        if self.vocab_pending:
+            self.draft.choose_vocab(input_ids[:, 1:][mask.bool()])
+            self.vocab_pending = False
         self.draft.train(train)
+        final = None if final is None else final.detach()
         with torch.enable_grad() if train else torch.no_grad():
-            loss, m = self.draft.training_loss(target, aux.detach(), input_ids, mask, self.steps, temperature, rollout_logprobs)
+            loss, m = self.draft.training_loss(target, aux.detach(), input_ids, mask, self.steps, temperature,
+                                               rollout_logprobs, final)
         if loss is not None and train:
             if not torch.isfinite(loss):
                 raise DivergenceError(f"{what}: the draft's loss is {loss.item()}")
@@ -65,11 +75,12 @@ class DraftTrainer:
         return summary(m, self.k)
 
     def state_dict(self) -> dict:
-        return self.opt.state_dict() if self.opt is not None else {}
+        return {"optimizer": self.opt.state_dict(), "vocab_pending": self.vocab_pending} if self.opt is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the draft's optimizer; draft.lr as configured now replaces the saved learning rate."""
         if self.opt is not None and state:
-            self.opt.load_state_dict(state)
+            self.opt.load_state_dict(state["optimizer"])
+            self.vocab_pending = state["vocab_pending"]
             for g in self.opt.param_groups:
                 g["lr"] = self.lr

@@ -8,7 +8,8 @@ decode step, and the learner's `token_logprobs`, compute for it.
 
 Rejection sampling (Leviathan et al., 2023) keeps the target's distribution: draft token d, sampled from the
 draft's q, is kept with probability min(1, p(d) / q(d)); at the first refusal the token is drawn from
-max(0, p - q) renormalised, and when all k are kept one more is drawn from p. Greedy requests keep a draft
+max(0, p - q) renormalised, and when all k are kept one more is drawn from p. A draft with a reduced
+vocabulary has q = 0 outside it, which the same rule handles. Greedy requests keep a draft
 token iff it is the target's argmax, so they emit exactly the tokens of plain greedy decoding. A request's
 uniforms are drawn from its own seeded generator on admission, one set per output position (the draft's
 sample and the bonus token use the engine's usual uniform for that position), so its tokens depend on its
@@ -170,8 +171,9 @@ class Speculator:
         req.logprobs.append(logprob)
         return token in req.params.stop_token_ids or len(req.tokens) >= req.params.max_new_tokens
 
-    def _verify(self, engine, req, lp: torch.Tensor, drafts: list[int], q: torch.Tensor | None) -> bool:
-        """Keep a prefix of `drafts` by rejection sampling against the target's rows `lp` [k + 1, V]."""
+    def _verify(self, engine, req, lp: torch.Tensor, drafts: list[int], q: torch.Tensor, index: list[int]) -> bool:
+        """Keep a prefix of `drafts` by rejection sampling against the target's rows `lp` [k + 1, V]; q [k, Vd]:
+        the draft distributions over its vocabulary the drafts came from, index: each draft's place in it."""
         state, greedy = self._state[id(req)], req.params.temperature == 0
         p = None if greedy else ops.probabilities(lp)
         kept = 0
@@ -179,12 +181,15 @@ class Speculator:
         engine.stats["spec_proposed"] += len(drafts)
         for i, d in enumerate(drafts):
             j = len(req.tokens)
-            ok = d == int(lp[i].argmax()) if greedy else state.accept_u[j] * float(q[i, d]) < float(p[i, d])
+            ok = d == int(lp[i].argmax()) if greedy else state.accept_u[j] * float(q[i, index[i]]) < float(p[i, d])
             if not ok:
                 if greedy:
                     token = int(lp[i].argmax())
                 else:
-                    token = _inverse_cdf(torch.clamp(p[i].double() - q[i].double(), min=0.0), state.residual_u[j])
+                    q_full = q[i].double()
+                    if not self.draft.full_vocab:  # the draft's q is 0 outside its vocabulary
+                        q_full = torch.zeros(p.shape[1], dtype=torch.float64).index_copy_(0, self.draft.vocab, q_full)
+                    token = _inverse_cdf(torch.clamp(p[i].double() - q_full, min=0.0), state.residual_u[j])
                 req.computed += 1 + kept
                 engine.stats["spec_accepted"] += kept
                 return self._emit(req, token, float(lp[i, token]))
@@ -200,9 +205,10 @@ class Speculator:
         return self._emit(req, token, float(lp[-1, token]))
 
     # -- the draft's side ----------------------------------------------------------------------------
-    def _propose(self, model, ready) -> dict[int, tuple[list[int], torch.Tensor | None]]:
-        """Draft tokens (and, for sampled requests, the draft distributions they came from) for each ready
-        request: first the draft catches up on the positions the target has checked since its last step."""
+    def _propose(self, model, ready) -> dict[int, tuple[list[int], torch.Tensor, list[int]]]:
+        """Draft tokens, the draft distributions they came from and their indices in the draft vocabulary, for
+        each ready request: first the draft catches up on the positions the target has checked since its last
+        step."""
         draft, cache = self.draft, self._cache
         budget = {id(r): min(self.k, r.params.max_new_tokens - len(r.tokens) - 1) for r in ready}
         ready = [r for r in ready if budget[id(r)] > 0]
@@ -226,8 +232,8 @@ class Speculator:
                 self.prefix_cache.store(self._pairs(req.prompt), cache, req.slot)
                 state.prompt_stored = True
 
-        out = {id(r): ([], []) for r in ready}
-        active = ready
+        out = {id(r): ([], [], []) for r in ready}  # draft tokens, their distributions, their draft-vocabulary index
+        active, vocab = ready, draft.vocab.tolist()
         for s in range(max(budget[id(r)] for r in ready)):
             temps = torch.tensor([r.params.temperature or 1.0 for r in active], dtype=torch.float32)[:, None]
             logits = draft.logits(model, g).float()
@@ -235,14 +241,14 @@ class Speculator:
             tokens = []
             for i, req in enumerate(active):
                 j = len(req.tokens) + s
-                d = int(logits[i].argmax()) if req.params.temperature == 0 else _inverse_cdf(q[i], req.uniforms[j])
-                tokens.append(d)
-                out[id(req)][0].append(d)
-                out[id(req)][1].append(q[i])
+                x = int(logits[i].argmax()) if req.params.temperature == 0 else _inverse_cdf(q[i], req.uniforms[j])
+                tokens.append(vocab[x])
+                for part, value in zip(out[id(req)], (vocab[x], q[i], x)):
+                    part.append(value)
             keep = [i for i, r in enumerate(active) if budget[id(r)] > s + 1]
             if not keep:
                 break
             active = [active[i] for i in keep]
             g = draft.step(model, g[keep], t([tokens[i] for i in keep]), t([r.computed + s for r in active]),
                            t([r.slot for r in active]), cache)
-        return {key: (d, torch.stack(q)) for key, (d, q) in out.items()}
+        return {key: (d, torch.stack(q), x) for key, (d, q, x) in out.items()}

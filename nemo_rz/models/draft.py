@@ -4,22 +4,30 @@ Input at position t: the target's hidden states after a few chosen layers (`aux_
 concatenated and fused by a linear into one hidden vector, together with the embedding of the next token
 t + 1 (the target's embedding table, not trained here). One or more decoder layers of the target's own kind
 (the `Block` of nemo_rz.models.decoder) turn that into the draft's hidden state g_t, and the target's LM head
-reads it to predict token t + 2. To propose further tokens the draft feeds g_t back in place of the target
+reads it to predict token t + 2, over the draft's own vocabulary: the rows of the head for `vocab_size` of the
+target's tokens (EAGLE-3's reduced draft vocabulary), the most frequent ones in the first data the draft trains
+on. A proposal then costs a [hidden, vocab_size] product instead of the whole head, the largest single cost of a
+small draft; tokens outside the draft vocabulary are never proposed (the target still emits them). To propose further tokens the draft feeds g_t back in place of the target
 features (the target has not seen its guesses yet): step s of a branch rooted at t sits at position t + s - 1
 and attends to the draft's own entries at positions <= t (made from target features) and to its branch's
 earlier steps.
 
 Training runs all s = 1..steps at once for every root (the "training-time test"), with the same attention
-pattern; inference runs the same layers against a KV cache. The draft only proposes: which tokens are kept
+pattern; inference runs the same layers against a KV cache. With the target's final hidden states (the learner's
+forward has them) the loss is distillation, the cross-entropy against the target's own distribution over the
+draft vocabulary: rejection sampling accepts sum_x min(p, q), so q must match p, and a whole distribution per
+token teaches that far faster than the one token sampled from it. The draft only proposes: which tokens are kept
 and their logprobs are decided by the target (nemo_rz.generation.speculative), so the draft's arithmetic never
 reaches a recorded logprob.
 
-Target features come from forward hooks on `model.model.layers[i]` (`aux_features`): the learner's RL forward
-and the engine's target passes expose them without a second forward and without changing the target.
+Target features come from forward hooks on `model.model.layers[i]` (`aux_features`), and the final hidden
+states from one on the final norm: the learner's RL forward and the engine's target passes expose them without
+a second forward and without changing the target.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import torch
@@ -53,26 +61,39 @@ def check_aux_layers(aux_layers, num_layers: int) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def aux_features(model: Decoder, layers: tuple[int, ...]):
+def aux_features(model: Decoder, layers: tuple[int, ...], final: bool = False):
     """Within the block, every forward of `model` appends its tokens' features [N, len(layers) * hidden]
-    (the outputs of those layers, detached) to the yielded list."""
+    (the outputs of those layers, detached) to the yielded list; with `final`, a pair (features, the final
+    norm's output [N, hidden], detached)."""
     outs: dict[int, torch.Tensor] = {}
-    found: list[torch.Tensor] = []
+    found: list = []
 
     def keep(i):
         def hook(_module, _args, out):
             outs[i] = (out[0] if isinstance(out, tuple) else out).detach()
-            if len(outs) == len(layers):
-                found.append(torch.cat([outs[j] for j in layers], dim=-1))
-                outs.clear()
+            if len(outs) == len(layers) and not final:
+                found.append(torch.cat([outs.pop(j) for j in layers], dim=-1))
         return hook
 
+    def keep_final(_module, _args, out):
+        found.append((torch.cat([outs.pop(j) for j in layers], dim=-1), out.detach()))
+
     handles = [model.model.layers[i].register_forward_hook(keep(i)) for i in layers]
+    if final:
+        handles.append(model.model.norm.register_forward_hook(keep_final))
     try:
         yield found
     finally:
         for h in handles:
             h.remove()
+
+
+def frequent_tokens(tokens: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent ids of `tokens` (ties: lower id first), filled up with the lowest ids not among
+    them (byte-pair vocabularies number their tokens roughly by frequency), sorted ascending."""
+    counts = torch.bincount(tokens.reshape(-1).long(), minlength=vocab_size).double()
+    rank = counts - torch.arange(vocab_size, dtype=torch.float64) / (2 * vocab_size)  # ties: lower id first
+    return torch.sort(torch.topk(rank, size).indices).values
 
 
 def _draft_config(target: DecoderConfig, num_layers: int) -> DecoderConfig:
@@ -86,10 +107,12 @@ def _draft_config(target: DecoderConfig, num_layers: int) -> DecoderConfig:
 
 
 class DraftHead(nn.Module):
-    def __init__(self, target: DecoderConfig, aux_layers=None, num_layers: int = 1):
+    def __init__(self, target: DecoderConfig, aux_layers=None, num_layers: int = 1, vocab_size: int | None = None):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"draft.num_layers = {num_layers}: must be >= 1")
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"draft.vocab_size = {vocab_size}: must be >= 1 (or null for the target's whole vocabulary)")
         self.aux_layers = check_aux_layers(default_aux_layers(target.num_layers) if aux_layers is None else aux_layers,
                                            target.num_layers)
         cfg = self.config = _draft_config(target, num_layers)
@@ -100,14 +123,35 @@ class DraftHead(nn.Module):
         self.combine = Linear(2 * h, h, False, dt)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dt)
-        self._head = None  # (the target's LM head weight, a detached alias of it)
+        # The draft's vocabulary: ascending target token ids whose LM-head rows the draft scores (choose_vocab).
+        size = cfg.vocab_size if vocab_size is None else min(vocab_size, cfg.vocab_size)
+        self.register_buffer("vocab", torch.arange(size), persistent=True)
+        self._head = None  # (the target's head, its and the vocabulary's versions, the draft's rows of it)
 
     # -- pieces shared by training and inference -----------------------------------------------------
     def spec(self) -> dict:
         """What a saved draft must agree on with the target it serves."""
         c = self.config
         return dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, aux_layers=list(self.aux_layers),
-                    num_layers=len(self.layers), num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+                    num_layers=len(self.layers), num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                    draft_vocab_size=self.vocab.numel())
+
+    @property
+    def full_vocab(self) -> bool:
+        return self.vocab.numel() == self.config.vocab_size
+
+    def choose_vocab(self, tokens: torch.Tensor) -> None:
+        """Take the draft vocabulary from data: the most frequent of `tokens` (e.g. a batch's completions)."""
+        if not self.full_vocab:
+            self.vocab.copy_(frequent_tokens(tokens, self.config.vocab_size, self.vocab.numel()))
+
+    def draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Each target token's index in the draft vocabulary, -1 where it has none."""
+        if self.full_vocab:
+            return tokens
+        index = torch.searchsorted(self.vocab, tokens)
+        hit = self.vocab[index.clamp(max=self.vocab.numel() - 1)] == tokens
+        return torch.where(hit, index, torch.full_like(index, -1))
 
     def check_target(self, target: Decoder) -> None:
         t = target.config
@@ -122,14 +166,25 @@ class DraftHead(nn.Module):
         emb = ops.embedding(tokens, target.model.embed_tokens.weight.detach())
         return self.combine(torch.cat([self.embed_norm(emb), self.feature_norm(feature)], dim=-1))
 
-    def logits(self, target: Decoder, g: torch.Tensor) -> torch.Tensor:
-        """The target's LM head on the draft's hidden state (the head gets no gradient from the draft)."""
+    def head(self, target: Decoder) -> torch.Tensor:
+        """The target LM head's rows of the draft vocabulary [vocab_size, H], detached (the head gets no
+        gradient from the draft). Kept while neither the head nor the vocabulary changes: ops.linear keeps its
+        [K, N] copy of a weight on the tensor object, so a fresh tensor per call would redo that copy (of the
+        whole head, with the full vocabulary) every draft step."""
         head = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-        if self._head is None or self._head[0] is not head:
-            # One detached alias per head tensor: ops.linear keeps its [K, N] copy of a weight on the tensor
-            # object, so a fresh .detach() per call would redo that copy of the whole head every draft step.
-            self._head = (head, head.detach())
-        return ops.linear(self.norm(g), self._head[1])
+        key = (head._version, self.vocab._version)
+        if self._head is None or self._head[0] is not head or self._head[1] != key:
+            rows = head.detach() if self.full_vocab else head.detach().index_select(0, self.vocab)
+            self._head = (head, key, rows)
+        return self._head[2]
+
+    def logits(self, target: Decoder, g: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab_size] over the draft vocabulary for draft hidden states g [N, H]."""
+        return ops.linear(self.norm(g), self.head(target))
+
+    def target_logits(self, target: Decoder, final: torch.Tensor) -> torch.Tensor:
+        """The target's own logits over the draft vocabulary, from its final hidden states [N, H]."""
+        return ops.linear(final, self.head(target))
 
     # -- inference -----------------------------------------------------------------------------------
     def new_cache(self, num_seqs: int, max_len: int) -> KVCache:
@@ -205,32 +260,48 @@ class DraftHead(nn.Module):
             yield s, x
 
     def training_loss(self, target: Decoder, aux: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
-                      steps: int, temperature: float = 1.0, rollout_logprobs: torch.Tensor | None = None):
-        """Mean over steps of the cross-entropy of step s's prediction of token t + s + 1 (where `mask`
-        [B, T-1] marks it as a trained token), the branch fed by its own hidden states.
+                      steps: int, temperature: float = 1.0, rollout_logprobs: torch.Tensor | None = None,
+                      final: torch.Tensor | None = None):
+        """Mean over steps of step s's loss on token t + s + 1 (where `mask` [B, T-1] marks it as a trained
+        token), the branch fed by its own hidden states: with the target's final hidden states `final`
+        [B * T, H], the cross-entropy against the target's distribution at `temperature` over the draft
+        vocabulary (distillation); without, against the sampled token (tokens outside the draft vocabulary
+        are skipped).
 
         Returns (loss, per-step metrics). With `rollout_logprobs` [B, T-1] (the target's logprobs of the same
         tokens at `temperature`), each step also reports its estimated acceptance rate under rejection
-        sampling, E_{x~p}[min(1, q(x)/p(x))] = sum_x min(p(x), q(x)), with the draft at teacher-forced tokens.
+        sampling, E_{x~p}[min(1, q(x)/p(x))] = sum_x min(p(x), q(x)), with the draft at teacher-forced tokens
+        (q(x) = 0 for a token outside the draft vocabulary).
         """
         if steps < 1:
             raise ValueError(f"draft.steps = {steps}: must be >= 1")
         b, length = input_ids.shape
         total, metrics = 0.0, {}
         for s, x in self.branches(target, aux, input_ids, min(steps, length - 2)) if length > 2 else ():
-            # Root t predicts token t + s + 1: mask index t + s.
+            # Root t predicts token t + s + 1: mask index t + s; the target's distribution for it sits at t + s.
             valid = F.pad(mask[:, s:].bool(), (0, s + 1))
+            labels = self.draft_ids(F.pad(input_ids[:, s + 1 :], (0, s + 1)))
+            if final is None:
+                valid = valid & (labels >= 0)
             rows = valid.reshape(-1).nonzero().squeeze(1)
             if rows.numel() == 0:
                 continue
+            # The engine samples proposals from softmax(logits / temperature): train that distribution.
             logits = self.logits(target, x.reshape(b * length, -1).index_select(0, rows)).float()
-            labels = F.pad(input_ids[:, s + 1 :], (0, s + 1)).reshape(-1).index_select(0, rows)
-            loss = F.cross_entropy(logits, labels)
+            logq = torch.log_softmax(logits / temperature, -1)
+            labels = labels.reshape(-1).index_select(0, rows)
+            if final is None:
+                loss = F.nll_loss(logq, labels)
+            else:
+                with torch.no_grad():
+                    p = torch.softmax(self.target_logits(target, final.index_select(0, rows + s)).float() / temperature, -1)
+                loss = -(p * logq).sum(-1).mean()
             total = total + loss
             metrics[f"draft_loss_{s}"] = float(loss.detach())
             if rollout_logprobs is not None:
                 with torch.no_grad():
-                    q = torch.log_softmax(logits / temperature, -1).gather(1, labels[:, None]).squeeze(1)
+                    q = logq.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+                    q = torch.where(labels >= 0, q, torch.full_like(q, -math.inf))
                     p = F.pad(rollout_logprobs[:, s:], (0, s + 1)).reshape(-1).index_select(0, rows)
                     metrics[f"draft_accept_{s}"] = float(torch.exp(torch.clamp(q - p, max=0.0)).mean())
         n = sum(1 for k in metrics if k.startswith("draft_loss_"))
@@ -282,7 +353,7 @@ def load_draft(path, target: Decoder) -> DraftHead:
         if spec[name] != getattr(t, name):
             raise ValueError(f"draft.checkpoint = {path}: the draft's {name} {spec[name]} does not match the target's "
                              f"{getattr(t, name)}; use a draft trained for this model")
-    draft = DraftHead(t, spec["aux_layers"], spec["num_layers"])
+    draft = DraftHead(t, spec["aux_layers"], spec["num_layers"], spec.get("draft_vocab_size"))
     if draft.spec() != spec:
         raise ValueError(f"draft.checkpoint = {path}: its shape {spec} does not fit the target ({draft.spec()})")
     draft.load_state_dict(state)

@@ -32,6 +32,7 @@ class Result:
     worker: int
     completions: list[Completion]
     seconds: float
+    spec: dict = dataclasses.field(default_factory=dict)  # the engine's speculative counts for this batch (spec_*)
 
     @property
     def tokens(self) -> int:

@@ -104,7 +104,7 @@ class Learner:
         """One update; returns its metrics and the learner logprobs it used (detached, pre-update weights)."""
         self.model.train()
         draft = self.draft
-        with aux_features(self.model, draft.draft.aux_layers) if draft else contextlib.nullcontext([]) as found:
+        with aux_features(self.model, draft.draft.aux_layers, final=True) if draft else contextlib.nullcontext([]) as found:
             lp = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature)
         nan = int(torch.isnan(lp.detach()[batch.mask.bool()]).sum())
         if nan:  # the learner's own numbers broke (a mismatch with the rollout would give finite or -inf values)
@@ -114,7 +114,9 @@ class Learner:
         if missing:
             raise ValueError(f"loss {self.loss!r} reported no {', '.join(missing)} in its metrics; see docs/plugins.md")
         if draft is not None:  # this forward's features, detached: no second target pass, no gradient to the policy
-            m.update(draft.step(self.model, found[0], batch.input_ids, batch.mask, self.temperature, batch.rollout_logprobs, what))
+            aux, final = found[0]
+            m.update(draft.step(self.model, aux, batch.input_ids, batch.mask, self.temperature, batch.rollout_logprobs,
+                                what, final))
         m["grad_norm"] = self._apply(loss, what)
         return m, lp.detach()
 

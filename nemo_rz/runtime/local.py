@@ -41,10 +41,10 @@ def _worker_main(worker_id, incarnation, worker_kwargs, ring, jobs, results, cra
             if job is None:
                 return
             worker.load(job.version, ring.read(job.version))
-            rows, seconds = worker.run(job)
+            rows, seconds, spec = worker.run(job)
             if incarnation == 0 and job.batch == crash_at_batch:
                 os._exit(17)  # fault injection for tests: die holding a finished, unsent result
-            results.put(("result", worker_id, (job.batch, job.version, rows, seconds)))
+            results.put(("result", worker_id, (job.batch, job.version, rows, seconds, spec)))
     except Exception as e:  # reported to the trainer in one line, which restarts the worker or stops the run
         results.put(("error", worker_id, one_line(e)))
         results.close()
@@ -116,9 +116,9 @@ class LocalBackend:
             if kind == "error":
                 self.errors[worker] = payload
                 continue
-            batch, version, rows, seconds = payload
+            batch, version, rows, seconds, spec = payload
             self.inflight[worker].pop(batch, None)  # absent: a re-sent job's second result (the trainer refuses it)
-            out.append(Result(batch, version, worker, decode_completions(rows), seconds))
+            out.append(Result(batch, version, worker, decode_completions(rows), seconds, spec))
         return out
 
     def close(self) -> None:

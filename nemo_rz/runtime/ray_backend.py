@@ -27,10 +27,10 @@ class _Actor:
 
     def run(self, job: Job, weights: dict):
         self.worker.load(job.version, weights)
-        rows, seconds = self.worker.run(job)
+        out = self.worker.run(job)
         if self.incarnation == 0 and job.batch == self.crash_at_batch:
             os._exit(17)  # fault injection for tests
-        return rows, seconds
+        return out
 
 
 class RayBackend:
@@ -78,11 +78,11 @@ class RayBackend:
                 continue
             i, job = self.futures.pop(fut)
             try:
-                rows, seconds = self.ray.get(fut)
+                rows, seconds, spec = self.ray.get(fut)
             except (self.ray.exceptions.RayActorError, self.ray.exceptions.RayTaskError) as e:
                 self._restart(i, job, one_line(e))
                 continue
-            out.append(Result(job.batch, job.version, i, decode_completions(rows), seconds))
+            out.append(Result(job.batch, job.version, i, decode_completions(rows), seconds, spec))
         return out
 
     @property

@@ -138,8 +138,9 @@ class Trainer:
         if d.checkpoint is not None:  # frozen, or co-training that starts from a saved draft
             head = load_draft(d.checkpoint, self.model)
         else:
-            head = DraftHead(self.model.config, d.aux_layers, d.num_layers)
-        trainer = DraftTrainer(head, mode, d.lr, d.loss_weight, d.steps, d.k, self.cfg.algo.grad_clip)
+            head = DraftHead(self.model.config, d.aux_layers, d.num_layers, OmegaConf.select(d, "vocab_size"))
+        trainer = DraftTrainer(head, mode, d.lr, d.loss_weight, d.steps, d.k, self.cfg.algo.grad_clip,
+                               fresh=d.checkpoint is None)
         self.learner.draft = trainer
         return trainer
 
@@ -171,7 +172,8 @@ class Trainer:
             max_batch_size=a.prompts_per_update * a.group_size, max_model_len=self.max_model_len, threads=r.worker_threads,
             generation_backend=self.generation_backend, temperature=a.temperature,
             draft=None if self.draft is None else dict(aux_layers=list(self.draft.draft.aux_layers),
-                                                       num_layers=len(self.draft.draft.layers), k=self.draft.k),
+                                                       num_layers=len(self.draft.draft.layers), k=self.draft.k,
+                                                       vocab_size=self.draft.draft.vocab.numel()),
             precision=self.precision.as_dict(),
         )
         if r.backend == "local":
@@ -278,6 +280,11 @@ class Trainer:
             queue_wait_s=self.queue_wait, elapsed_s=time.time() - self.start_time,
         )
         record.update({k: v for k, v in metrics.items() if k.startswith("draft_")})
+        if res.spec.get("spec_verify"):  # what the rollout engine measured (the draft_* numbers are estimates)
+            s = res.spec
+            record.update(spec_accept_rate=s["spec_accepted"] / max(s["spec_proposed"], 1),
+                          spec_accepted_len=s["spec_accepted"] / s["spec_verify"],
+                          spec_tokens_per_pass=(s["spec_accepted"] + s["spec_verify"]) / s["spec_verify"])
         every = self.cfg.metrics.decomposition_every
         if every and (u % every == 0) and res.version in self.history:
             d = self.learner.decompose(batch, self.history[res.version], lp)
@@ -290,7 +297,7 @@ class Trainer:
     def save(self) -> Path:
         a = self.cfg.algo
         keep = {v: sd for v, sd in self.history.items() if v != self.version}
-        pending = {u: (r.version, r.worker, encode_completions(r.completions), r.seconds) for u, r in self.pending.items()}
+        pending = {u: (r.version, r.worker, encode_completions(r.completions), r.seconds, r.spec) for u, r in self.pending.items()}
         state = dict(version=self.version, counts=dict(self.counts), lags=self.lags, is_dev=self.is_dev.state_dict(),
                      **self.heldout.state_dict(), max_grad_norm=self.max_grad_norm, pending=pending,
                      torch_rng=torch.get_rng_state(), elapsed=time.time() - self.start_time, max_lag=a.max_lag)
@@ -318,7 +325,7 @@ class Trainer:
         self.is_dev.load_state_dict(st["is_dev"])
         self.max_grad_norm = st["max_grad_norm"]
         self.history = history
-        self.pending = {u: Result(u, v, w, decode_completions(rows), s) for u, (v, w, rows, s) in st["pending"].items()}
+        self.pending = {u: Result(u, v, w, decode_completions(rows), s, *spec) for u, (v, w, rows, s, *spec) in st["pending"].items()}
         torch.set_rng_state(st["torch_rng"])
         self.start_time = time.time() - st["elapsed"]
         self.metrics_log.keep_until(self.version)  # lines after the checkpoint are replayed

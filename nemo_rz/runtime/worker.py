@@ -37,7 +37,8 @@ class RolloutWorker:
             model = apply_precision(Decoder(cfg).eval(), precision)
             speculator = None
             if draft is not None:
-                speculator = Speculator(DraftHead(cfg, draft["aux_layers"], draft["num_layers"]), draft["k"])
+                speculator = Speculator(DraftHead(cfg, draft["aux_layers"], draft["num_layers"], draft["vocab_size"]),
+                                         draft["k"])
             self.engine = RolloutEngine(model, max_batch_size=max_batch_size, max_model_len=max_model_len,
                                         speculator=speculator)
         elif generation_backend == "vllm":
@@ -59,11 +60,15 @@ class RolloutWorker:
             self.engine.update_weights(weights, version)
         self.loaded = version
 
-    def run(self, job: Job) -> tuple[list[tuple], float]:
-        """Generate the job's completions; returns them in wire form and the seconds it took."""
+    def run(self, job: Job) -> tuple[list[tuple], float, dict]:
+        """Generate the job's completions; returns them in wire form, the seconds it took and the engine's
+        speculative counts for the job (proposed, accepted draft tokens and verify passes; empty without a draft)."""
         if self.loaded != job.version:
             raise RuntimeError(f"worker holds weights v{self.loaded} but job {job.batch} needs v{job.version}")
         start = time.perf_counter()
         params = SamplingParams(job.max_new_tokens, job.temperature, job.seed, job.stop_token_ids)
+        stats = getattr(self.engine, "stats", {})  # a Counter on the built-in engine
+        before = {k: v for k, v in stats.items() if k.startswith("spec_")}
         outs = self.engine.generate(job.prompts, params)
-        return encode_completions(outs), time.perf_counter() - start
+        spec = {k: v - before.get(k, 0) for k, v in stats.items() if k.startswith("spec_")}
+        return encode_completions(outs), time.perf_counter() - start, spec

@@ -75,21 +75,24 @@ def write_plots(run_dir: Path) -> list[Path]:
     return paths
 
 
-DRAFT_PANELS = [
-    ("draft_loss", "draft loss (mean over training-time-test steps)"),
-    ("draft_accept_rate", "draft acceptance rate (estimated on the batch)"),
-    ("draft_tokens_per_pass", "tokens per target pass (estimated)"),
-    ("rollout_tokens_per_s", "rollout tokens/s (speculative)"),
+DRAFT_PANELS = [  # (title, [(key, legend)]): the learner's estimate on the RL batch beside the engine's count
+    ("draft loss (mean over training-time-test steps)", [("draft_loss", None)]),
+    ("draft acceptance rate", [("draft_accept_rate", "estimated on the batch"), ("spec_accept_rate", "rollout engine")]),
+    ("tokens per target pass", [("draft_tokens_per_pass", "estimated on the batch"), ("spec_tokens_per_pass", "rollout engine")]),
+    ("rollout tokens/s (speculative)", [("rollout_tokens_per_s", None)]),
 ]
 
 
 def _draft_plots(plt, rows: list[dict], out_dir: Path) -> Path:
     """The draft's numbers per update (draft.mode=cotrain or frozen)."""
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-    for ax, (key, title) in zip(axes.flat, DRAFT_PANELS):
-        pts = [(r["update"], r[key]) for r in rows if key in r]
-        if pts:
-            ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None)
+    for ax, (title, lines) in zip(axes.flat, DRAFT_PANELS):
+        for key, legend in lines:
+            pts = [(r["update"], r[key]) for r in rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, label=legend)
+        if any(legend for _, legend in lines):
+            ax.legend()
         ax.set_title(title)
         ax.set_xlabel("update")
     fig.tight_layout()
