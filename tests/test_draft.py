@@ -211,6 +211,7 @@ def test_a_co_trained_run_logs_the_engine_counts_and_resumes_bit_exactly(tmp_pat
     rows = _metrics(tmp_path / "full")
     assert all({"draft_loss", "draft_accept_rate", "spec_accept_rate", "spec_tokens_per_pass"} <= r.keys() for r in rows)
     assert all(0 <= r["spec_accept_rate"] <= 1 and 1 <= r["spec_tokens_per_pass"] <= 4 for r in rows)
+    assert all(0 < r["spec_draft_time_share"] < 1 for r in rows)
     assert all(r["kernel_diff_tokens"] == 0 for r in rows)  # speculative rollouts record the learner's bits
     _run(tmp_path, "part", "algo.updates=3", *draft)  # stops where the full run evaluates and checkpoints
     part = tmp_path / "part"

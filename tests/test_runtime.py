@@ -14,7 +14,8 @@ TINY = [
     "model.hidden_size=32", "model.intermediate_size=64", "progress=false", "metrics.tensorboard=false",
     "metrics.decomposition_every=1", "checkpoint.every=3",
 ]
-TIMING = {"rollout_tokens_per_s", "learner_tokens_per_s", "queue_wait_s", "elapsed_s", "rollout_s", "learn_s"}
+TIMING = {"rollout_tokens_per_s", "learner_tokens_per_s", "queue_wait_s", "elapsed_s", "rollout_s", "learn_s",
+          "spec_draft_time_share"}
 
 
 def _run(tmp_path, name, *overrides):

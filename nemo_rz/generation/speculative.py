@@ -22,6 +22,7 @@ after the request has written it again, so they never reach a later step. The dr
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import torch
@@ -96,7 +97,10 @@ class Speculator:
     def step(self, engine, running) -> list:
         model = engine.model
         ready = [r for r in running if r.tokens and r.computed == len(r.prompt) + len(r.tokens) - 1]
+        start = time.perf_counter()
         proposals = self._propose(model, ready)
+        drafted = time.perf_counter()
+        engine.stats["spec_draft_s"] += drafted - start  # the draft's share of generation time
         ids: list[int] = []
         pos: list[int] = []
         seq: list[int] = []
@@ -154,6 +158,7 @@ class Speculator:
             valid = req.computed - pos[first]
             if req not in finished:
                 self._state[id(req)].pending.append(aux[first : first + valid])
+        engine.stats["spec_step_s"] += time.perf_counter() - start
         return finished
 
     def _sample_one(self, engine, req, lp: torch.Tensor) -> bool:

@@ -284,7 +284,8 @@ class Trainer:
             s = res.spec
             record.update(spec_accept_rate=s["spec_accepted"] / max(s["spec_proposed"], 1),
                           spec_accepted_len=s["spec_accepted"] / s["spec_verify"],
-                          spec_tokens_per_pass=(s["spec_accepted"] + s["spec_verify"]) / s["spec_verify"])
+                          spec_tokens_per_pass=(s["spec_accepted"] + s["spec_verify"]) / s["spec_verify"],
+                          spec_draft_time_share=s["spec_draft_s"] / max(s["spec_step_s"], 1e-9))
         every = self.cfg.metrics.decomposition_every
         if every and (u % every == 0) and res.version in self.history:
             d = self.learner.decompose(batch, self.history[res.version], lp)
