@@ -27,6 +27,7 @@ a second forward and without changing the target.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from pathlib import Path
 
@@ -209,37 +210,58 @@ class DraftHead(nn.Module):
         return x
 
     # -- training (all steps of every branch at once) ---------------------------------------------------
-    def _layer(self, block: Block, x: torch.Tensor, positions: torch.Tensor, keys: list, values: list) -> torch.Tensor:
-        """One draft layer for one step over a dense [B, T] batch of roots; keys/values hold the earlier steps'
-        entries and get this step's. Step 1 is causal over positions; step s > 1 also sees, for each root, its
-        own steps 2..s (the same pattern the KV cache gives at inference)."""
+    def _layer(self, block: Block, x: torch.Tensor, positions: torch.Tensor, keys: list, values: list, attend) -> torch.Tensor:
+        """One draft layer for one step of rows x [N, H] at `positions` [N]; keys/values hold the earlier steps'
+        k, v [N, Hkv, D] and get this step's. attend(q, keys, values, scale) -> [N, heads, D] is the step's
+        attention: step 1 causal over the step-1 entries, step s > 1 also, per root, its own steps 2..s (the
+        pattern the KV cache gives at inference)."""
         a, c = block.self_attn, self.config
-        b, length, _ = x.shape
-        h = block.input_layernorm(x).reshape(b * length, -1)
+        h = block.input_layernorm(x)
         q = a.q_proj(h).view(-1, c.num_heads, c.head_dim)
         k = a.k_proj(h).view(-1, c.num_kv_heads, c.head_dim)
         v = a.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = a.q_norm(q), a.k_norm(k)
-        pos = positions.reshape(-1)
-        q, k = ops.rope(q, pos, c.rope_theta), ops.rope(k, pos, c.rope_theta)
-        group = c.num_heads // c.num_kv_heads
-        heads = lambda t: t.view(b, length, -1, c.head_dim).transpose(1, 2)  # [B, heads, T, D]
-        q = heads(q)
-        keys.append(heads(k).repeat_interleave(group, dim=1))
-        values.append(heads(v).repeat_interleave(group, dim=1))
-        scale = c.head_dim ** -0.5
-        main = (q @ keys[0].transpose(-1, -2)) * scale  # [B, H, T, T]: root t sees step-1 entries 0..t
-        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-        main = main.masked_fill(~causal, float("-inf"))
-        own = [(q * kk).sum(-1, keepdim=True) * scale for kk in keys[1:]]  # [B, H, T, 1] each
-        p = torch.softmax(torch.cat([main, *own], dim=-1).float(), dim=-1).to(q.dtype)
-        out = p[..., :length] @ values[0]
-        for j, vv in enumerate(values[1:]):
-            out = out + p[..., length + j : length + j + 1] * vv
-        out = out.transpose(1, 2).reshape(b * length, c.num_heads * c.head_dim)
-        x = x + a.o_proj(out).view(b, length, -1)
+        q, k = ops.rope(q, positions, c.rope_theta), ops.rope(k, positions, c.rope_theta)
+        keys.append(k)
+        values.append(v)
+        out = attend(q, keys, values, c.head_dim ** -0.5)
+        x = x + a.o_proj(out.reshape(-1, c.num_heads * c.head_dim))
         return x + block.mlp(block.post_attention_layernorm(x))
+
+    @staticmethod
+    def dense_attention(q: torch.Tensor, keys: list, values: list, scale: float, batch: int) -> torch.Tensor:
+        """`_layer`'s attention for a dense [batch, T] batch of roots (rows batch-major), in plain torch: root t's
+        step-s query sees the step-1 entries 0..t of its row and its own entries of steps 2..s."""
+        n, heads, dim = q.shape
+        length = n // batch
+        group = heads // keys[0].shape[1]
+        split = lambda t: t.view(batch, length, -1, dim).transpose(1, 2)  # [B, heads, T, D]
+        expand = lambda t: split(t).repeat_interleave(group, dim=1)
+        q = split(q)
+        main = (q @ expand(keys[0]).transpose(-1, -2)) * scale  # [B, H, T, T]: root t sees step-1 entries 0..t
+        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        main = main.masked_fill(~causal, float("-inf"))
+        own = [(q * expand(kk)).sum(-1, keepdim=True) * scale for kk in keys[1:]]  # [B, H, T, 1] each
+        p = torch.softmax(torch.cat([main, *own], dim=-1).float(), dim=-1).to(q.dtype)
+        out = p[..., :length] @ expand(values[0])
+        for j, vv in enumerate(values[1:]):
+            out = out + p[..., length + j : length + j + 1] * expand(vv)
+        return out.transpose(1, 2).reshape(n, heads, dim)
+
+    def run_steps(self, target: Decoder, feature: torch.Tensor, reads: list, positions: torch.Tensor, attend):
+        """Yield (s, hidden [N, H]) for s = 1..len(reads) over N roots: step s reads token reads[s - 1] [N] at
+        position positions + s - 1, step 1 fed by the fused target features `feature` [N, H], each later step by
+        the one before; `attend` as in `_layer` (`dense_attention` for a [B, T] batch, context parallelism's
+        ring and branch attention for a shard)."""
+        keys = [[] for _ in self.layers]
+        values = [[] for _ in self.layers]
+        for s, tokens in enumerate(reads, 1):
+            x = self._input(target, feature, tokens)
+            for i, block in enumerate(self.layers):
+                x = self._layer(block, x, positions + (s - 1), keys[i], values[i], attend)
+            feature = x  # the next step reads this step's hidden state
+            yield s, x
 
     def branches(self, target: Decoder, aux: torch.Tensor, input_ids: torch.Tensor, steps: int):
         """Yield (s, hidden [B, T, H]) for s = 1..steps: step s of the branch rooted at every position t (token
@@ -247,17 +269,10 @@ class DraftHead(nn.Module):
         if steps < 1:
             raise ValueError(f"draft.steps = {steps}: must be >= 1")
         b, length = input_ids.shape
-        feature = self.fc(aux.view(b, length, -1))
-        keys = [[] for _ in self.layers]
-        values = [[] for _ in self.layers]
-        for s in range(1, steps + 1):
-            tokens = F.pad(input_ids[:, s:], (0, s))  # root t reads token t + s (0 past the end: never a target)
-            positions = (torch.arange(length, device=input_ids.device) + s - 1).expand(b, length)
-            x = self._input(target, feature.reshape(b * length, -1), tokens.reshape(-1)).view(b, length, -1)
-            for i, block in enumerate(self.layers):
-                x = self._layer(block, x, positions, keys[i], values[i])
-            feature = x  # the next step reads this step's hidden state
-            yield s, x
+        reads = [F.pad(input_ids[:, s:], (0, s)).reshape(-1) for s in range(1, steps + 1)]  # root t reads t + s (0 past the end)
+        positions = torch.arange(length, device=input_ids.device).repeat(b)
+        for s, x in self.run_steps(target, self.fc(aux), reads, positions, functools.partial(self.dense_attention, batch=b)):
+            yield s, x.view(b, length, -1)
 
     def training_loss(self, target: Decoder, aux: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
                       steps: int, temperature: float = 1.0, rollout_logprobs: torch.Tensor | None = None,
