@@ -7,6 +7,8 @@ that every recorded logprob is still the learner's.
            the frozen draft, the co-trained draft) on the same held-out prompts.
     model  a checkpoint (--model, e.g. models/smollm2-135m-instruct) or a preset shape (benchmarks/shapes.py):
            a draft trained offline on the model's own samples for --draft-updates steps, vs no draft.
+    cost   what a speculative step costs at a shape (default SmolLM2-135M's), in plain decode steps, and the
+           acceptance that would reach 2x.
 
 Sampling at temperature 1 (full vocabulary), per-request seeds, the same requests for every variant, at each
 --batch-sizes (requests in flight). Wall-clock and process CPU time are both reported (CPU time is less
@@ -215,6 +217,60 @@ def run_model(args) -> str:
                        f"max_new_tokens={args.max_new_tokens}, {what_draft}")
 
 
+def run_cost(args) -> str:
+    """What one speculative step costs at a shape, in plain decode steps: the verify pass over k + 1 rows per
+    request, and one draft step with the whole vocabulary and with --vocab-size rows of the head. From those,
+    the tokens per pass (and the acceptance at k) that break even and that reach 2x."""
+    from nemo_rz import ops
+
+    model, _, what = shapes.load(args)
+    cfg = model.config
+    torch.manual_seed(0)
+    drafts = {"whole vocabulary": DraftHead(cfg), f"vocabulary {args.vocab_size}": DraftHead(cfg, vocab_size=args.vocab_size)}
+    cache, dcache = model.new_cache(max(args.batch_sizes), 256), drafts["whole vocabulary"].new_cache(max(args.batch_sizes), 256)
+
+    def median(fn, n=9):
+        fn()
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return sorted(times)[n // 2]
+
+    @torch.no_grad()
+    def target(rows, seqs):  # a decode or verify step: `rows` query tokens per request, logprobs of all of them
+        ids = torch.randint(0, cfg.vocab_size, (rows * seqs,))
+        pos = torch.arange(100, 100 + rows).repeat(seqs)
+        seq = torch.arange(seqs).repeat_interleave(rows)
+        return ops.log_softmax(model.logits(model.step(ids, pos, seq, cache)), 1.0)
+
+    @torch.no_grad()
+    def draft_step(draft, seqs):  # one proposal per request: a draft layer, its logits, their softmax
+        ids, pos, seq = torch.randint(0, cfg.vocab_size, (seqs,)), torch.full((seqs,), 100), torch.arange(seqs)
+        g = draft.step(model, torch.randn(seqs, cfg.hidden_size), ids, pos, seq, dcache)
+        return torch.softmax(draft.logits(model, g).float(), -1)
+
+    out = [f"### Speculative step cost, {what} ({datetime.date.today()}): k={args.k}, in plain decode steps", "",
+           "| batch | decode step ms | verify pass (k+1 rows) | draft step, whole vocab | draft step, reduced | "
+           "spec step (reduced) = break-even tokens/pass | 2x tokens/pass | acceptance for 2x |",
+           "|---|---|---|---|---|---|---|---|"]
+    for bs in args.batch_sizes:
+        base = median(lambda: target(1, bs))
+        verify = median(lambda: target(args.k + 1, bs)) / base
+        full, reduced = (median(lambda d=d: draft_step(d, bs)) / base for d in drafts.values())
+        step = verify + args.k * reduced
+        # tokens per pass at per-token acceptance a: 1 + a + ... + a^k; the a that reaches 2x, by bisection
+        lo, hi = 0.0, 1.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if sum(mid ** i for i in range(args.k + 1)) < 2 * step else (lo, mid)
+        accept = f"{hi:.2f}" if 2 * step <= args.k + 1 else "unreachable"
+        out.append(f"| {bs} | {base * 1e3:.1f} | {verify:.2f} | {full:.3f} | {reduced:.3f} | {step:.2f} | {2 * step:.2f} | "
+                   f"{accept} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -234,12 +290,15 @@ def main() -> None:
     m.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary")
     m.add_argument("--save-draft", help="save the trained draft here (nemo_rz.models.draft.save_draft)")
     m.add_argument("--load-draft", help="measure a saved draft instead of training one")
-    for p in (t, m):
+    c = sub.add_parser("cost")
+    shapes.add_arguments(c, default="smollm2-135m")
+    c.add_argument("--vocab-size", type=int, default=8192, help="the reduced draft vocabulary")
+    for p in (t, m, c):
         p.add_argument("--k", type=int, default=4)
         p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(run_task(args) if args.what == "task" else run_model(args))
+    print({"task": run_task, "model": run_model, "cost": run_cost}[args.what](args))
 
 
 if __name__ == "__main__":
