@@ -49,6 +49,7 @@ largest entry in the tests' model). Dense full-attention models only: sliding wi
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,10 @@ from nemo_rz.ops.attention_plan import ones_columns, tile_rows
 from nemo_rz.ops.verified import one_thread
 from nemo_rz.parallel.tensor import gather_parts, tree_sum
 
-__all__ = ["ZigzagShard", "branch_attention", "cp_token_logprobs", "reduce_gradients", "ring_attention"]
+if TYPE_CHECKING:
+    from nemo_rz.models.draft import DraftHead
+
+__all__ = ["ZigzagShard", "branch_attention", "cp_draft_loss", "cp_token_logprobs", "reduce_gradients", "ring_attention"]
 
 _RING_TAG, _RETURN_TAG = 11, 12  # point-to-point tags: ring transfers, dK/dV partials on their way home
 
@@ -152,6 +156,90 @@ def cp_token_logprobs(model: Decoder, input_ids: torch.Tensor, cu_seqlens, group
     targets = input_ids[shard.index[scored] + 1]
     lp = ops.token_logprobs(model.logits(hidden.index_select(0, scored)), targets, temperature)
     return lp.new_zeros(hidden.shape[0]).index_copy(0, scored, lp), shard
+
+
+def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: torch.Tensor | None,
+                  input_ids: torch.Tensor, mask: torch.Tensor, cu_seqlens, steps: int, temperature: float = 1.0,
+                  group=None):
+    """A draft's training-time-test loss (as DraftHead.training_loss computes it) of a packed row over the ranks
+    of `group` (None: the default group, or one process without torch.distributed).
+
+    Every rank passes the whole row: input_ids [T] and mask [T] (mask[i]: the token after token i is trained,
+    the layout of cp_token_logprobs' logprobs; a sequence's last entry is ignored); and its own tokens' target
+    features in the shard's local order (what `aux_features(target, layers, final=True)` collects while the
+    target runs under cp_token_logprobs): aux [n, len(aux_layers) * H], and final [n, H] for distillation
+    (None: hard labels). The rank's roots are its own tokens: step s of root t sits at position t + s - 1,
+    reads token t + s and predicts token t + s + 1; the draft's layers run on them with step 1's attention
+    through `ring_attention` and step s > 1's through `branch_attention` (the branch: that root's steps 2..s).
+
+    Returns (this rank's part of the loss: its roots' terms, differentiable; backward on every rank, then
+    `reduce_gradients(draft, group)`; the loss, every root's term added in row order: the same bits on every
+    rank and for any rank count; per-step metrics draft_loss_s), or (None, None, {}) where no step has a
+    trained token."""
+    cu = [int(c) for c in cu_seqlens]
+    total = cu[-1]
+    if input_ids.dim() != 1 or input_ids.is_floating_point() or input_ids.shape[0] != total or mask.shape != input_ids.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and mask {tuple(mask.shape)}: need one packed row of token "
+                         f"ids and its mask, both [cu_seqlens[-1]] = [{total}]")
+    if steps < 1:
+        raise ValueError(f"draft.steps = {steps}: must be >= 1")
+    world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
+    shard = ZigzagShard(cu, world, rank)
+    n = shard.index.shape[0]
+    for name, x in (("aux", aux), ("final", final)):
+        if x is not None and (x.dim() != 2 or x.shape[0] != n or not bool(torch.isfinite(x).all())):
+            raise ValueError(f"{name} {tuple(x.shape)}: need this rank's {n} tokens' finite target features, one row each "
+                             "in the shard's local order")
+    lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
+    steps = min(steps, int(lengths.max()) - 2)  # step s needs a sequence of s + 2 tokens
+    if steps < 1:
+        return None, None, {}
+    seq_end = torch.tensor(cu[1:]).repeat_interleave(lengths)  # each token's sequence end
+    at = torch.arange(total)
+    if final is not None:
+        final = shard.gather(final, group)  # root t's step s learns the target's distribution at token t + s
+    reads = [torch.where(at + s < seq_end, input_ids[(at + s).clamp(max=total - 1)], 0)[shard.index] for s in range(1, steps + 1)]
+    attend = functools.partial(_draft_attention, shard=shard, group=group)
+    metrics, terms = {}, []
+    for s, x in draft.run_steps(target, draft.fc(aux), reads, shard.positions, attend):
+        labels = draft.draft_ids(input_ids[(at + s + 1).clamp(max=total - 1)])
+        valid = (at + s + 1 < seq_end) & mask[(at + s).clamp(max=total - 1)].bool()
+        if final is None:
+            valid = valid & (labels >= 0)
+        count = int(valid.sum())
+        if count == 0:
+            continue
+        rows = valid[shard.index].nonzero().squeeze(1)
+        logq = torch.log_softmax(draft.logits(target, x.index_select(0, rows)).float() / temperature, -1)
+        if final is None:
+            term = -logq.gather(1, labels[shard.index[rows], None]).squeeze(1)
+        else:
+            with torch.no_grad():
+                p = torch.softmax(draft.target_logits(target, final.index_select(0, shard.index[rows] + s)).float() / temperature, -1)
+            term = -(p * logq).sum(-1)
+        everyone = shard.gather(term.new_zeros(n).index_copy(0, rows, term.detach()), group)
+        step_loss = everyone[valid].sum() / count
+        metrics[f"draft_loss_{s}"] = float(step_loss)
+        terms.append((term.sum() / count, step_loss))
+    if not terms:
+        return None, None, {}
+    # Every rank runs backward through every step's attention (the ring's backward is collective): zeros of
+    # the last step's states join the part, whether or not this rank has a trained token.
+    part = (sum(t for t, _ in terms) + 0.0 * x.sum()) / len(terms)
+    loss = sum(l for _, l in terms) / len(terms)
+    return part, loss, metrics
+
+
+def _draft_attention(q, keys, values, scale, shard: ZigzagShard, group):
+    """DraftHead._layer's attention for a shard's roots: step 1 through the ring; step s > 1's query as the last
+    of s - 1 branch steps, whose other queries (and the main sequence's) are zeros: their outputs are dropped
+    and their gradients are exact zeros."""
+    if len(keys) == 1:
+        return ring_attention(q, keys[0], values[0], shard, scale, group)
+    zeros = torch.zeros_like(q)
+    q_branch = torch.stack([zeros] * (len(keys) - 2) + [q])
+    out = branch_attention(zeros, keys[0], values[0], q_branch, torch.stack(keys[1:]), torch.stack(values[1:]), shard, scale, group)
+    return out[1][-1]
 
 
 def reduce_gradients(module: torch.nn.Module, group=None) -> None:
