@@ -136,6 +136,28 @@ def test_block_boundaries_and_head_groups(heads, kv_heads, steps):
     assert torch.equal(main, ref_main) and torch.equal(branch, ref_branch)
 
 
+def test_queries_of_the_last_steps_only():
+    """q None and the last Jq branch steps' queries: their outputs are the bits of the call with every step's
+    queries; gradients within float32 rounding (their sums run over fewer rows)."""
+    q, k, v, qb, kb, vb = _inputs(steps=3)
+    shard = ZigzagShard(_cu(), 1, 0)
+    w = torch.randn(2, *q.shape, generator=torch.Generator().manual_seed(5))
+    full = [x.clone().requires_grad_() for x in (q, k, v, qb, kb, vb)]
+    main, branch = branch_attention(*full, shard, SCALE)
+    (branch[1:] * w).sum().backward()
+    last = [x.clone().requires_grad_() for x in (qb[1:], k, v, kb, vb)]
+    none, out = branch_attention(None, last[1], last[2], last[0], *last[3:], shard, SCALE)
+    (out * w).sum().backward()
+    assert none is None and torch.equal(out, branch[1:].detach())
+    assert _close(last[0].grad, full[3].grad[1:], 2e-6)
+    for got, want in zip(last[1:], full[1:3] + full[4:]):
+        assert _close(got.grad, want.grad, 2e-6)
+    # Negative control: the same queries as steps 1..2 of a 2-step branch see one branch key fewer.
+    assert not torch.equal(branch_attention(None, k, v, qb[1:], kb[:2], vb[:2], shard, SCALE)[1], out)
+    with pytest.raises(ValueError, match="the last 1..J steps"):
+        branch_attention(None, k, v, torch.cat([qb, qb[:1]]), kb, vb, shard, SCALE)
+
+
 def test_zigzag_balances_causal_work():
     """Each rank holds chunks c and 2W-1-c of a sequence: causal work (keys seen) per rank within 5% of the mean,
     where a contiguous split is off by more than 50% (the negative control)."""

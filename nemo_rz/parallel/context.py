@@ -231,15 +231,12 @@ def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: t
 
 
 def _draft_attention(q, keys, values, scale, shard: ZigzagShard, group):
-    """DraftHead._layer's attention for a shard's roots: step 1 through the ring; step s > 1's query as the last
-    of s - 1 branch steps, whose other queries (and the main sequence's) are zeros: their outputs are dropped
-    and their gradients are exact zeros."""
+    """DraftHead._layer's attention for a shard's roots: step 1 through the ring; step s > 1 as the only query
+    step (the last) of a branch of s - 1 steps."""
     if len(keys) == 1:
         return ring_attention(q, keys[0], values[0], shard, scale, group)
-    zeros = torch.zeros_like(q)
-    q_branch = torch.stack([zeros] * (len(keys) - 2) + [q])
-    out = branch_attention(zeros, keys[0], values[0], q_branch, torch.stack(keys[1:]), torch.stack(values[1:]), shard, scale, group)
-    return out[1][-1]
+    return branch_attention(None, keys[0], values[0], q[None], torch.stack(keys[1:]), torch.stack(values[1:]), shard, scale,
+                            group)[1][0]
 
 
 def reduce_gradients(module: torch.nn.Module, group=None) -> None:
@@ -272,26 +269,37 @@ def branch_attention(q, k, v, q_branch, k_branch, v_branch, shard: ZigzagShard, 
     """Main-sequence attention as in `ring_attention`, plus J branch steps at every local position:
     q_branch [J, n, H, D], k_branch, v_branch [J, n, Hkv, D] (step j = 1..J in row j - 1). The step-j query at
     position p sees the main keys 0..p of its sequence (on any rank), then the branch keys of steps 1..j at p.
-    Returns (main out [n, H, D], branch out [J, n, H, D]), differentiable in all six inputs."""
+    Returns (main out [n, H, D], branch out [J, n, H, D]), differentiable in all six inputs.
+
+    Queries of the last steps only (a draft's training-time test computes one step at a time): q None and
+    q_branch [Jq, n, H, D] with Jq <= J, the queries of steps J - Jq + 1..J; returns (None, their outputs). The
+    outputs are the same bits; gradients are exact and rank-count independent, but their sums run over the
+    rows computed, so they may differ in the last bits from a call with every step's queries."""
     _check(q, k, v, q_branch, k_branch, v_branch, shard)
     world, rank = _group_shape(shard, group)
     if (world, rank) != (shard.world, shard.rank):
         raise ValueError(f"the shard is rank {shard.rank} of {shard.world} but the process group has this process "
                          f"as rank {rank} of {world}: build the ZigzagShard from the group's rank and size")
-    plan = _plan(shard.cu_seqlens, shard.world, shard.rank, q.shape[1], k.shape[1], q.shape[2], q_branch.shape[0])
-    return _BranchAttention.apply(plan, group, scale, q, k, v, q_branch, k_branch, v_branch)
+    queries = q_branch if q is None else torch.cat([q.unsqueeze(0), q_branch])
+    plan = _plan(shard.cu_seqlens, shard.world, shard.rank, queries.shape[2], k.shape[1], k.shape[2],
+                 k_branch.shape[0], queries.shape[0])
+    out = _BranchAttention.apply(plan, group, scale, queries, k, v, k_branch, v_branch)
+    return (None, out) if q is None else (out[0], out[1:])
 
 
 def _check(q, k, v, qb, kb, vb, shard: ZigzagShard) -> None:
     n = shard.index.shape[0]
-    if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or q.shape[0] != n or k.shape[0] != n:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need q [n, H, D] and k, v "
-                         f"[n, Hkv, D] with n = {n}, the shard's local token count")
-    if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: head dims must match and H be a multiple of Hkv")
-    if qb.shape[1:] != q.shape or kb.shape[1:] != k.shape or vb.shape != kb.shape or qb.shape[0] != kb.shape[0]:
-        raise ValueError(f"branch q {tuple(qb.shape)}, k {tuple(kb.shape)}, v {tuple(vb.shape)}: need [J, *main shape]")
-    for name, t in (("q", q), ("k", k), ("v", v), ("q_branch", qb), ("k_branch", kb), ("v_branch", vb)):
+    main = qb[0] if q is None and qb.dim() == 4 and qb.shape[0] else q
+    if main is None or main.dim() != 3 or k.shape != v.shape or k.dim() != 3 or main.shape[0] != n or k.shape[0] != n:
+        raise ValueError(f"q {None if main is None else tuple(main.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need "
+                         f"q [n, H, D] (or q None and branch queries) and k, v [n, Hkv, D] with n = {n}, the shard's local token count")
+    if main.shape[2] != k.shape[2] or main.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(main.shape)} and k {tuple(k.shape)}: head dims must match and H be a multiple of Hkv")
+    if (qb.shape[1:] != main.shape or kb.shape[1:] != k.shape or vb.shape != kb.shape
+            or not (qb.shape[0] == kb.shape[0] if q is not None else 1 <= qb.shape[0] <= kb.shape[0])):
+        raise ValueError(f"branch q {tuple(qb.shape)}, k {tuple(kb.shape)}, v {tuple(vb.shape)}: need [J, *main shape] "
+                         "(with q None: branch queries of the last 1..J steps)")
+    for name, t in (("q", main), ("k", k), ("v", v), ("q_branch", qb), ("k_branch", kb), ("v_branch", vb)):
         if t.device.type != "cpu":
             raise ValueError(f"{name} is on {t.device}: context-parallel attention runs on CPU tensors (gloo)")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
@@ -327,15 +335,17 @@ class _Pairs:
 class _Plan:
     """Bookkeeping of one rank: the query row table, full pairs per source rank, rank-local tail pairs.
 
-    Query rows: main (step 0) and branch steps 1..J of every local slot (KV_BLOCK slots per local block, the
-    last block of a sequence padded), laid out as [block, kv head, step, offset, head in group]: the rows of a
+    Query rows: the query steps (main = step 0 and branch steps 1..J, or the last `queries` of them) of every
+    local slot (KV_BLOCK slots per local block, the last block of a sequence padded), laid out as [block, kv
+    head, query step, offset, head in group]: the rows of a
     (block, kv head) group are contiguous and cut into tiles of R rows. Row n_rows is a dump for tile padding.
     Key pool: [step, block, offset, kv head] rows of keys (values alike), then one zero row.
     """
 
-    def __init__(self, cu_seqlens, world, rank, heads, kv_heads, head_dim, steps):
+    def __init__(self, cu_seqlens, world, rank, heads, kv_heads, head_dim, steps, queries):
         shard = ZigzagShard(cu_seqlens, world, rank)
         self.world, self.rank, self.steps = world, rank, steps
+        self.queries, self.first = queries, steps + 1 - queries  # query steps first..steps
         self.heads, self.kv_heads, self.g = heads, kv_heads, heads // kv_heads
         self.nbl = nbl = shard.num_blocks
         self.nb_max = max(b.shape[0] for b in shard.blocks_of)
@@ -343,7 +353,7 @@ class _Plan:
         # The tile height ops.attention takes for a block of training queries (any height gives each row the
         # same bits where the batched products were probed row-invariant).
         self.R = R = tile_rows(torch.zeros(KV_BLOCK, dtype=torch.long), heads, kv_heads, head_dim, torch.float32)
-        self.rows_g = (steps + 1) * KV_BLOCK * self.g  # rows per (block, kv head) group, a multiple of R
+        self.rows_g = queries * KV_BLOCK * self.g  # rows per (block, kv head) group, a multiple of R
         self.n_rows = nbl * kv_heads * self.rows_g
         self.pool_rows = (steps + 1) * nbl * KV_BLOCK * kv_heads
         mine = shard.blocks_of[rank]
@@ -360,36 +370,38 @@ class _Plan:
         return ((pairs.b * KV_BLOCK)[:, None] + torch.arange(KV_BLOCK)) * self.kv_heads + pairs.head[:, None]
 
     def _row(self, a, head, step, off, e):
-        return (((a * self.kv_heads + head) * (self.steps + 1) + step) * KV_BLOCK + off) * self.g + e
+        return (((a * self.kv_heads + head) * self.queries + step - self.first) * KV_BLOCK + off) * self.g + e
 
     def _pool(self, step, a, off, head):
         return ((step * self.nbl + a) * KV_BLOCK + off) * self.kv_heads + head
 
     def _tails(self, mine: torch.Tensor, R: int) -> None:
         """Rank-local pairs: each block's main queries against the block itself (causal), and each position's
-        branch queries against the blocks of [main keys of the block up to p, branch keys at p]. Per pair:
+        branch queries against the blocks of [main keys of the block up to p, branch keys at p] (of the query
+        steps only). Per pair:
         rows / dest [P, R], keys [P, KV_BLOCK] (pool rows), count [P, R] (visible keys: a prefix), the
         block's global id, its block index within the row's key sequence, and its ordinal among its block's tails."""
         J, g, H, nbl = self.steps, self.g, self.kv_heads, self.nbl
+        first = max(self.first, 1)  # the first branch step with queries
         off = torch.arange(KV_BLOCK)
         parts = []
-        # Main tails: (block a, kv head h, tile t); rows of step 0 are contiguous in the group.
-        a, h, t = (x.reshape(-1) for x in torch.meshgrid(torch.arange(nbl), torch.arange(H), torch.arange(KV_BLOCK * g // R), indexing="ij"))
-        within = t[:, None] * R + torch.arange(R)  # (offset, head in group) index within step 0 of the group
-        rows = self._row(a, h, 0, 0, 0)[:, None] + within
-        keys = self._pool(0, a[:, None], off, h[:, None])
-        parts.append((a, rows, rows, keys, within // g + 1, torch.zeros_like(a), t))
+        if self.first == 0:  # main tails: (block a, kv head h, tile t); rows of step 0 are contiguous in the group
+            a, h, t = (x.reshape(-1) for x in torch.meshgrid(torch.arange(nbl), torch.arange(H), torch.arange(KV_BLOCK * g // R), indexing="ij"))
+            within = t[:, None] * R + torch.arange(R)  # (offset, head in group) index within step 0 of the group
+            rows = self._row(a, h, 0, 0, 0)[:, None] + within
+            keys = self._pool(0, a[:, None], off, h[:, None])
+            parts.append((a, rows, rows, keys, within // g + 1, torch.zeros_like(a), t))
         if J:
             tail_blocks = -(-(KV_BLOCK + J) // KV_BLOCK)
-            n_tiles = -(-(J * g) // R)
+            n_tiles = -(-((J + 1 - first) * g) // R)
             a, o, h, tb, tt = (x.reshape(-1) for x in torch.meshgrid(
                 torch.arange(nbl), off, torch.arange(H), torch.arange(tail_blocks), torch.arange(n_tiles), indexing="ij"))
             keep = o + 1 + J > tb * KV_BLOCK  # the block holds a key some row of the tile sees
             a, o, h, tb, tt = a[keep], o[keep], h[keep], tb[keep], tt[keep]
-            slot = tt[:, None] * R + torch.arange(R)  # (step - 1, head in group) index, past J * g: padding
-            pad = slot >= J * g
+            slot = tt[:, None] * R + torch.arange(R)  # (step - first, head in group) index, then padding
+            pad = slot >= (J + 1 - first) * g
             slot = slot.masked_fill(pad, 0)  # padding computes the group's first row again, into the dump
-            step = slot // g + 1
+            step = slot // g + first
             rows = self._row(a[:, None], h[:, None], step, o[:, None], slot % g)
             dest = rows.masked_fill(pad, self.n_rows)
             v = tb[:, None] * KV_BLOCK + off  # virtual key position
@@ -426,8 +438,8 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=8)
-def _plan(cu_seqlens, world, rank, heads, kv_heads, head_dim, steps) -> _Plan:
-    return _Plan(cu_seqlens, world, rank, heads, kv_heads, head_dim, steps)
+def _plan(cu_seqlens, world, rank, heads, kv_heads, head_dim, steps, queries) -> _Plan:
+    return _Plan(cu_seqlens, world, rank, heads, kv_heads, head_dim, steps, queries)
 
 
 # -- arithmetic -----------------------------------------------------------------------------------------------
@@ -489,31 +501,31 @@ def _tiles(x: torch.Tensor, per_pair: int) -> torch.Tensor:
     return x.unsqueeze(1).expand(-1, per_pair, -1, -1).reshape(-1, *x.shape[1:])
 
 
-def _layout(x: torch.Tensor, xb: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    """[n, h, D] and [J, n, h, D] -> rows [step, slot, h, D] in float32 (slots of padding tokens are zero)."""
-    steps = torch.cat([x.unsqueeze(0), xb]).float()
-    out = steps.new_zeros(steps.shape[0], plan.nbl * KV_BLOCK, *steps.shape[2:])
-    return out.index_copy_(1, plan.slot, steps)
+def _layout(steps: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """[steps, n, h, D] -> rows [step, slot, h, D] in float32 (slots of padding tokens are zero)."""
+    out = steps.new_zeros(steps.shape[0], plan.nbl * KV_BLOCK, *steps.shape[2:], dtype=torch.float32)
+    return out.index_copy_(1, plan.slot, steps.float())
 
 
-def _query_rows(x, xb, plan: _Plan) -> torch.Tensor:
-    """Queries (or their gradients) as the plan's row table [n_rows + 1, D] (last row: the dump, zero)."""
-    s = _layout(x, xb, plan)
+def _query_rows(queries: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """Queries [query steps, n, H, D] (or their gradients) as the plan's row table [n_rows + 1, D] (last row:
+    the dump, zero)."""
+    s = _layout(queries, plan)
     d = s.shape[-1]
-    rows = s.view(plan.steps + 1, plan.nbl, KV_BLOCK, plan.kv_heads, plan.g, d).permute(1, 3, 0, 2, 4, 5)
+    rows = s.view(plan.queries, plan.nbl, KV_BLOCK, plan.kv_heads, plan.g, d).permute(1, 3, 0, 2, 4, 5)
     return F.pad(rows.reshape(-1, d), (0, 0, 0, 1))
 
 
-def _unrows(rows: torch.Tensor, plan: _Plan, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _unrows(rows: torch.Tensor, plan: _Plan, dtype) -> torch.Tensor:
     d = rows.shape[-1]
-    x = rows[: plan.n_rows].view(plan.nbl, plan.kv_heads, plan.steps + 1, KV_BLOCK, plan.g, d).permute(2, 0, 3, 1, 4, 5)
-    x = x.reshape(plan.steps + 1, plan.nbl * KV_BLOCK, plan.heads, d).index_select(1, plan.slot).to(dtype)
-    return x[0], x[1:]
+    x = rows[: plan.n_rows].view(plan.nbl, plan.kv_heads, plan.queries, KV_BLOCK, plan.g, d).permute(2, 0, 3, 1, 4, 5)
+    return x.reshape(plan.queries, plan.nbl * KV_BLOCK, plan.heads, d).index_select(1, plan.slot).to(dtype)
 
 
 def _key_pool(x, xb, plan: _Plan) -> torch.Tensor:
-    """Keys (or values) as the plan's pool [pool_rows + 1, D] (last row zero)."""
-    s = _layout(x, xb, plan)
+    """Keys (or values) [n, Hkv, D] and the branch's [J, n, Hkv, D] as the plan's pool [pool_rows + 1, D] (last
+    row zero)."""
+    s = _layout(torch.cat([x.unsqueeze(0), xb]), plan)
     return F.pad(s.reshape(-1, s.shape[-1]), (0, 0, 0, 1))
 
 
@@ -529,9 +541,9 @@ def _shifted(s: torch.Tensor, m: torch.Tensor, rows: torch.Tensor) -> torch.Tens
 
 class _BranchAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: _Plan, group, scale, q, k, v, qb, kb, vb):
-        d = q.shape[-1]
-        Q = _query_rows(q, qb, plan) * scale
+    def forward(ctx, plan: _Plan, group, scale, queries, k, v, kb, vb):
+        d = queries.shape[-1]
+        Q = _query_rows(queries, plan) * scale
         kpool, vpool = _key_pool(k, kb, plan), _key_pool(v, vb, plan)
         ones = ones_columns(d)
         tiles = plan.rows_g // plan.R
@@ -573,18 +585,18 @@ class _BranchAttention(torch.autograd.Function):
         out = acc[:, :d] / acc[:, d : d + 1]
 
         ctx.plan, ctx.group, ctx.scale = plan, group, scale
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        ctx.dtypes = (queries.dtype, k.dtype, v.dtype)
         ctx.save_for_backward(Q, kpool, vpool, m, out, acc[:, d])
-        return _unrows(out, plan, q.dtype)
+        return _unrows(out, plan, queries.dtype)
 
     @staticmethod
-    def backward(ctx, dout, dout_b):
+    def backward(ctx, dout):
         plan, group = ctx.plan, ctx.group
         Q, kpool, vpool, m, out, denom = ctx.saved_tensors
         d = Q.shape[-1]
         tiles = plan.rows_g // plan.R
-        dO = _query_rows(dout, dout_b, plan) / denom[:, None]
-        delta = (_query_rows(dout, dout_b, plan) * out).sum(-1) / denom
+        dO = _query_rows(dout, plan) / denom[:, None]
+        delta = (_query_rows(dout, plan) * out).sum(-1) / denom
         dO[-1], delta[-1] = 0.0, 0.0  # the dump row: padding of tail tiles contributes nothing
 
         def grads(s, rows, vp, visible=None):
@@ -637,7 +649,7 @@ class _BranchAttention(torch.autograd.Function):
         do_tail = dO.index_select(0, plan.tail_dest.reshape(-1)).view(-1, plan.R, d)
         dv_parts.append((_bmm(p.transpose(1, 2), do_tail), plan.tail_keys, key_key))
 
-        dq, dqb = _unrows(_ordered_sum(plan.n_rows + 1, dq_parts) * ctx.scale, plan, ctx.dtypes[0])
+        dq = _unrows(_ordered_sum(plan.n_rows + 1, dq_parts) * ctx.scale, plan, ctx.dtypes[0])
         dk, dkb = _unpool(_ordered_sum(plan.pool_rows + 1, dk_parts), plan, ctx.dtypes[1])
         dv, dvb = _unpool(_ordered_sum(plan.pool_rows + 1, dv_parts), plan, ctx.dtypes[2])
-        return None, None, None, dq, dk, dv, dqb, dkb, dvb
+        return None, None, None, dq, dk, dv, dkb, dvb
