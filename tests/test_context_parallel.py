@@ -12,6 +12,11 @@ gradients reaching every layer's input (per token); the parameter gradients, add
 reduce_gradients in a fixed tree, are the same bits on every rank and in every run, and equal one process's
 within float32 rounding (each rank's matmuls sum over its own tokens only). Negative controls: the model with
 fast kernels, the ring's partials in arrival order, and the ranks' gradients added in another order.
+
+A draft's training-time test under context parallelism (cp_draft_loss): on one process it equals
+DraftHead.training_loss within float32 rounding (negative control: step s > 1 without its branch); over 2 and 4
+ranks every root's states and the loss are one process's bits and the draft's gradients are deterministic and
+within float32 rounding (negative control: the ring's partials in arrival order).
 """
 from __future__ import annotations
 

@@ -45,6 +45,14 @@ a sum over tokens, and each rank's matmuls sum over its own tokens only: `reduce
 partial gradients and adds them in a fixed tree over rank order, so every rank and every run gets the same
 bits, equal to one process's sum over all tokens within float32 rounding (under 1e-6 of each parameter's
 largest entry in the tests' model). Dense full-attention models only: sliding windows, sinks and mixtures of experts are refused.
+
+A draft's training-time test (`cp_draft_loss`): each rank runs the draft's own layers (DraftHead.run_steps) on its
+shard's roots, step 1's attention through `ring_attention` and step s's through `branch_attention` with that
+step's queries only (the branch, the root's steps 2..s, is rank-local). Every root's states and loss term are the
+bits one process computes, and the loss adds the terms in row order, so it is too; the draft's parameter
+gradients (`reduce_gradients`) equal one process's within float32 rounding. On one process it computes
+DraftHead.training_loss of the sequences padded into a batch within float32 rounding (that one's attention is a
+dense softmax).
 """
 from __future__ import annotations
 
