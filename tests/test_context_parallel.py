@@ -415,14 +415,15 @@ def _draft_setup():
     return target, draft, ids, mask, found[0]
 
 
-def _draft_grads(target, draft, ids, mask, aux, final, group=None):
+def _draft_grads(target, draft, ids, mask, aux, final, group=None, cu=None):
     """cp_draft_loss of the row (distilled with `final`, else hard labels), the draft's parameter gradients
     after backward and reduce_gradients, and every step's last-layer MLP output of this rank's roots [n, H]."""
     draft.zero_grad(set_to_none=True)
     states = []
     hook = draft.layers[-1].mlp.register_forward_hook(lambda _m, _a, out: states.append(out.detach()))
     try:
-        part, loss, metrics = cp_draft_loss(draft, target, aux, final, ids, mask, _cu(), DRAFT_STEPS, DRAFT_TEMPERATURE, group)
+        part, loss, metrics = cp_draft_loss(draft, target, aux, final, ids, mask, cu or _cu(), DRAFT_STEPS,
+                                            DRAFT_TEMPERATURE, group)
     finally:
         hook.remove()
     part.backward()
@@ -501,6 +502,10 @@ def _draft_worker(rank: int, world: int, ref) -> None:
     assert all(torch.equal(part, flat) for part in gather_parts(flat))
     again = _draft_grads(target, draft, ids, mask, aux, final)
     assert torch.equal(again[0], loss) and all(torch.equal(again[2][n], g) for n, g in grads.items())
+    # A row too short to reach every rank: ranks without roots still take part in the rings.
+    few = ZigzagShard([0, 20, 45], world, rank).index
+    short = _draft_grads(target, draft, ids[:45], mask[:45], ref["aux"][few], ref["final"][few], cu=[0, 20, 45])
+    assert torch.equal(short[0], ref["few"])
     # Negative control: the ring's partials merged in arrival order change some roots' states (on some rank)
     # and the gradients.
     context._ordered_sum, ordered = _arrival_order, context._ordered_sum
@@ -522,5 +527,6 @@ def test_draft_loss_over_gloo_equals_one_process(world):
     torch.set_num_threads(1)
     target, draft, ids, mask, (aux, final) = _draft_setup()
     loss, metrics, grads, states = _draft_grads(target, draft, ids, mask, aux, final)
-    ref = dict(aux=aux, final=final, loss=loss, metrics=metrics, grads=grads, states=states)
+    few = _draft_grads(target, draft, ids[:45], mask[:45], aux[:45], final[:45], cu=[0, 20, 45])[0]
+    ref = dict(aux=aux, final=final, loss=loss, metrics=metrics, grads=grads, states=states, few=few)
     run_ranks(functools.partial(_draft_worker, ref=ref), world)
