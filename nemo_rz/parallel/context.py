@@ -186,18 +186,18 @@ def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: t
     trained token."""
     cu = [int(c) for c in cu_seqlens]
     total = cu[-1]
-    if input_ids.dim() != 1 or input_ids.is_floating_point() or input_ids.shape[0] != total or mask.shape != input_ids.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and mask {tuple(mask.shape)}: need one packed row of token "
-                         f"ids and its mask, both [cu_seqlens[-1]] = [{total}]")
+    if input_ids.dim() != 1 or input_ids.is_floating_point() or input_ids.shape[0] != total or mask.shape != (total,):
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and mask {tuple(mask.shape)}: need one packed row of "
+                         f"token ids and its mask, both [cu_seqlens[-1]] = [{total}]")
     if steps < 1:
         raise ValueError(f"draft.steps = {steps}: must be >= 1")
     world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
     shard = ZigzagShard(cu, world, rank)
     n = shard.index.shape[0]
-    for name, x in (("aux", aux), ("final", final)):
-        if x is not None and (x.dim() != 2 or x.shape[0] != n or not bool(torch.isfinite(x).all())):
-            raise ValueError(f"{name} {tuple(x.shape)}: need this rank's {n} tokens' finite target features, one row each "
-                             "in the shard's local order")
+    for name, x in (("aux", aux), ("final", final)) if final is not None else (("aux", aux),):
+        if x is None or x.dim() != 2 or x.shape[0] != n or not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{name} {None if x is None else tuple(x.shape)}: need this rank's {n} tokens' finite target "
+                             "features, one row each in the shard's local order")
     lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
     steps = min(steps, int(lengths.max()) - 2)  # step s needs a sequence of s + 2 tokens
     if steps < 1:
@@ -206,11 +206,12 @@ def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: t
     at = torch.arange(total)
     if final is not None:
         final = shard.gather(final, group)  # root t's step s learns the target's distribution at token t + s
-    reads = [torch.where(at + s < seq_end, input_ids[(at + s).clamp(max=total - 1)], 0)[shard.index] for s in range(1, steps + 1)]
+    ahead = lambda s: input_ids[(at + s).clamp(max=total - 1)]  # token t + s (clamped past the row's end)
+    reads = [torch.where(at + s < seq_end, ahead(s), 0)[shard.index] for s in range(1, steps + 1)]
     attend = functools.partial(_draft_attention, shard=shard, group=group)
     metrics, terms = {}, []
     for s, x in draft.run_steps(target, draft.fc(aux), reads, shard.positions, attend):
-        labels = draft.draft_ids(input_ids[(at + s + 1).clamp(max=total - 1)])
+        labels = draft.draft_ids(ahead(s + 1))
         valid = (at + s + 1 < seq_end) & mask[(at + s).clamp(max=total - 1)].bool()
         if final is None:
             valid = valid & (labels >= 0)
@@ -223,7 +224,8 @@ def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: t
             term = -logq.gather(1, labels[shard.index[rows], None]).squeeze(1)
         else:
             with torch.no_grad():
-                p = torch.softmax(draft.target_logits(target, final.index_select(0, shard.index[rows] + s)).float() / temperature, -1)
+                p = draft.target_logits(target, final.index_select(0, shard.index[rows] + s)).float()
+                p = torch.softmax(p / temperature, -1)
             term = -(p * logq).sum(-1)
         everyone = shard.gather(term.new_zeros(n).index_copy(0, rows, term.detach()), group)
         step_loss = everyone[valid].sum() / count
@@ -243,8 +245,8 @@ def _draft_attention(q, keys, values, scale, shard: ZigzagShard, group):
     step (the last) of a branch of s - 1 steps."""
     if len(keys) == 1:
         return ring_attention(q, keys[0], values[0], shard, scale, group)
-    return branch_attention(None, keys[0], values[0], q[None], torch.stack(keys[1:]), torch.stack(values[1:]), shard, scale,
-                            group)[1][0]
+    branch = torch.stack(keys[1:]), torch.stack(values[1:])
+    return branch_attention(None, keys[0], values[0], q[None], *branch, shard, scale, group)[1][0]
 
 
 def reduce_gradients(module: torch.nn.Module, group=None) -> None:
@@ -299,8 +301,9 @@ def _check(q, k, v, qb, kb, vb, shard: ZigzagShard) -> None:
     n = shard.index.shape[0]
     main = qb[0] if q is None and qb.dim() == 4 and qb.shape[0] else q
     if main is None or main.dim() != 3 or k.shape != v.shape or k.dim() != 3 or main.shape[0] != n or k.shape[0] != n:
-        raise ValueError(f"q {None if main is None else tuple(main.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need "
-                         f"q [n, H, D] (or q None and branch queries) and k, v [n, Hkv, D] with n = {n}, the shard's local token count")
+        raise ValueError(f"q {None if main is None else tuple(main.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
+                         f"need q [n, H, D] (or q None and branch queries) and k, v [n, Hkv, D] with n = {n}, the "
+                         "shard's local token count")
     if main.shape[2] != k.shape[2] or main.shape[1] % k.shape[1]:
         raise ValueError(f"q {tuple(main.shape)} and k {tuple(k.shape)}: head dims must match and H be a multiple of Hkv")
     if (qb.shape[1:] != main.shape or kb.shape[1:] != k.shape or vb.shape != kb.shape
