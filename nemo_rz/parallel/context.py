@@ -370,7 +370,10 @@ class _Plan:
         mine = shard.blocks_of[rank]
         self.full = [_Pairs(mine, shard.blocks_of[src], kv_heads) for src in range(world)]  # my queries, src's keys
         self.incoming = [_Pairs(shard.blocks_of[src], mine, kv_heads) for src in range(world)]  # src's queries, my keys
-        self._tails(mine, R)
+        # A position's branch tails hold its query steps' rows only: the height ops.attention takes for that many.
+        branch_rows = tile_rows(torch.zeros(steps + 1 - max(self.first, 1), dtype=torch.long), heads, kv_heads, head_dim,
+                                torch.float32)
+        self._tails(mine, R, branch_rows)
 
     def full_rows(self, pairs: _Pairs) -> torch.Tensor:
         """[pairs, rows_g]: the query rows of each pair's (block, kv head) group."""
@@ -386,12 +389,12 @@ class _Plan:
     def _pool(self, step, a, off, head):
         return ((step * self.nbl + a) * KV_BLOCK + off) * self.kv_heads + head
 
-    def _tails(self, mine: torch.Tensor, R: int) -> None:
-        """Rank-local pairs: each block's main queries against the block itself (causal), and each position's
-        branch queries against the blocks of [main keys of the block up to p, branch keys at p] (of the query
-        steps only). Per pair:
-        rows / dest [P, R], keys [P, KV_BLOCK] (pool rows), count [P, R] (visible keys: a prefix), the
-        block's global id, its block index within the row's key sequence, and its ordinal among its block's tails."""
+    def _tails(self, mine: torch.Tensor, R: int, Rb: int) -> None:
+        """Rank-local pairs (`tails`: main tails in tiles of R rows, branch tails of Rb): each block's main queries
+        against the block itself (causal), and each position's branch queries against the blocks of [main keys
+        of the block up to p, branch keys at p] (of the query steps only). Per pair: rows / dest [P, R], keys
+        [P, KV_BLOCK] (pool rows), count [P, R] (visible keys: a prefix), the block's global id, its block
+        index within the row's key sequence, and its ordinal among its block's tails."""
         J, g, H, nbl = self.steps, self.g, self.kv_heads, self.nbl
         first = max(self.first, 1)  # the first branch step with queries
         off = torch.arange(KV_BLOCK)
@@ -404,12 +407,12 @@ class _Plan:
             parts.append((a, rows, rows, keys, within // g + 1, torch.zeros_like(a), t))
         if J:
             tail_blocks = -(-(KV_BLOCK + J) // KV_BLOCK)
-            n_tiles = -(-((J + 1 - first) * g) // R)
+            n_tiles = -(-((J + 1 - first) * g) // Rb)
             a, o, h, tb, tt = (x.reshape(-1) for x in torch.meshgrid(
                 torch.arange(nbl), off, torch.arange(H), torch.arange(tail_blocks), torch.arange(n_tiles), indexing="ij"))
             keep = o + 1 + J > tb * KV_BLOCK  # the block holds a key some row of the tile sees
             a, o, h, tb, tt = a[keep], o[keep], h[keep], tb[keep], tt[keep]
-            slot = tt[:, None] * R + torch.arange(R)  # (step - first, head in group) index, then padding
+            slot = tt[:, None] * Rb + torch.arange(Rb)  # (step - first, head in group) index, then padding
             pad = slot >= (J + 1 - first) * g
             slot = slot.masked_fill(pad, 0)  # padding computes the group's first row again, into the dump
             step = slot // g + first
@@ -422,30 +425,36 @@ class _Plan:
             count = (o_ + 1 + step - tb[:, None] * KV_BLOCK).clamp(0, KV_BLOCK)
             ordinal = KV_BLOCK * g // R + (o * tail_blocks + tb) * n_tiles + tt
             parts.append((a, rows, dest, keys, count, 1 + tb, ordinal))
-        a, self.tail_rows, self.tail_dest, self.tail_keys, count, self.tail_block, self.tail_ordinal = (torch.cat(x) for x in zip(*parts))
-        self.tail_gid = mine[a, 2]
-        self.tail_count = count
-        self.tail_stride = 2 + (self.tail_block.max().item() if self.tail_block.numel() else 0)
-        self.tail_ordinals = 1 + (self.tail_ordinal.max().item() if self.tail_ordinal.numel() else 0)
-
-    def tail_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(visible 0/1, bias 0/-inf) [P, R, KV_BLOCK] of the tail pairs (made per call: they are large)."""
-        visible = (torch.arange(KV_BLOCK) < self.tail_count[..., None]).float()
-        return visible, torch.zeros_like(visible).masked_fill_(visible == 0, float("-inf"))
+        self.tails = [_Tails(mine[a, 2], *rest) for a, *rest in parts]
+        self.tail_stride = 2 + max(int(t.block.max()) if t.block.numel() else 0 for t in self.tails)
+        self.tail_ordinals = 1 + max(int(t.ordinal.max()) if t.ordinal.numel() else 0 for t in self.tails)
 
     # Ordering keys. Per query row: key blocks in increasing order (full blocks by global id, then the row's
     # tail blocks). Per key row: contributions by query block, full pair first, then the block's tails.
     def row_key_full(self, pairs: _Pairs) -> torch.Tensor:
         return pairs.b_gid * self.tail_stride
 
-    def row_key_tail(self) -> torch.Tensor:
-        return self.tail_gid * self.tail_stride + self.tail_block
+    def row_key_tail(self, tails: _Tails) -> torch.Tensor:
+        return tails.gid * self.tail_stride + tails.block
 
     def key_key_full(self, pairs: _Pairs) -> torch.Tensor:
         return pairs.a_gid * (1 + self.tail_ordinals)
 
-    def key_key_tail(self) -> torch.Tensor:
-        return self.tail_gid * (1 + self.tail_ordinals) + 1 + self.tail_ordinal
+    def key_key_tail(self, tails: _Tails) -> torch.Tensor:
+        return tails.gid * (1 + self.tail_ordinals) + 1 + tails.ordinal
+
+
+class _Tails:
+    """One batch of rank-local tail pairs, tiles of R = rows.shape[1] rows (see _Plan._tails)."""
+
+    def __init__(self, gid, rows, dest, keys, count, block, ordinal):
+        self.gid, self.rows, self.dest, self.keys, self.count, self.block, self.ordinal = gid, rows, dest, keys, count, block, ordinal
+        self.R = rows.shape[1]
+
+    def masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(visible 0/1, bias 0/-inf) [P, R, KV_BLOCK] (made per call: they are large)."""
+        visible = (torch.arange(KV_BLOCK) < self.count[..., None]).float()
+        return visible, torch.zeros_like(visible).masked_fill_(visible == 0, float("-inf"))
 
 
 @functools.lru_cache(maxsize=8)
@@ -572,11 +581,13 @@ class _BranchAttention(torch.autograd.Function):
             s = _bmm(qp, _tiles(_pair_keys(kblocks, pairs).transpose(1, 2), tiles))
             m.scatter_reduce_(0, rows.reshape(-1), s.amax(-1).reshape(-1), "amax")
             scores.append(s)
-        kt = kpool.index_select(0, plan.tail_keys.reshape(-1)).view(-1, KV_BLOCK, d)
-        q_tail = Q.index_select(0, plan.tail_rows.reshape(-1)).view(-1, plan.R, d)
-        visible, bias = plan.tail_masks()
-        s_tail = _bmm(q_tail, kt.transpose(1, 2).contiguous()) + bias
-        m.scatter_reduce_(0, plan.tail_dest.reshape(-1), s_tail.amax(-1).reshape(-1), "amax")
+        tail_scores = []
+        for t in plan.tails:
+            kt = kpool.index_select(0, t.keys.reshape(-1)).view(-1, KV_BLOCK, d)
+            visible, bias = t.masks()
+            s_tail = _bmm(Q.index_select(0, t.rows.reshape(-1)).view(-1, t.R, d), kt.transpose(1, 2).contiguous()) + bias
+            m.scatter_reduce_(0, t.dest.reshape(-1), s_tail.amax(-1).reshape(-1), "amax")
+            tail_scores.append((s_tail, visible))
 
         # Pass 2, values: [P @ V | sum p] of every pair, kept with its block's place in the row's order.
         parts = []
@@ -589,9 +600,10 @@ class _BranchAttention(torch.autograd.Function):
             vp = _tiles(F.pad(_pair_keys(vblocks, pairs), (0, ones), value=1.0), tiles)
             parts.append((_bmm(p, vp), rows, plan.row_key_full(pairs).repeat_interleave(tiles)))
             scores[step] = None
-        vt = vpool.index_select(0, plan.tail_keys.reshape(-1)).view(-1, KV_BLOCK, d)
-        p_tail = torch.exp(_shifted(s_tail, m, plan.tail_dest).clamp(min=_EXP_FLOOR)) * visible
-        parts.append((_bmm(p_tail, F.pad(vt, (0, ones), value=1.0)), plan.tail_dest, plan.row_key_tail()))
+        for t, (s_tail, visible) in zip(plan.tails, tail_scores):
+            vt = vpool.index_select(0, t.keys.reshape(-1)).view(-1, KV_BLOCK, d)
+            p_tail = torch.exp(_shifted(s_tail, m, t.dest).clamp(min=_EXP_FLOOR)) * visible
+            parts.append((_bmm(p_tail, F.pad(vt, (0, ones), value=1.0)), t.dest, plan.row_key_tail(t)))
         acc = _ordered_sum(plan.n_rows + 1, parts)
         out = acc[:, :d] / acc[:, d : d + 1]
 
@@ -616,7 +628,7 @@ class _BranchAttention(torch.autograd.Function):
             p = torch.exp(shifted.clamp(min=_EXP_FLOOR))
             if visible is not None:
                 p = p * visible
-            dp = _bmm(dO.index_select(0, rows.reshape(-1)).view(-1, plan.R, d), vp.transpose(1, 2))
+            dp = _bmm(dO.index_select(0, rows.reshape(-1)).view(*rows.shape, d), vp.transpose(1, 2))
             dp = dp - delta.index_select(0, rows.reshape(-1)).view(*rows.shape, 1)
             return p * dp * (shifted >= _EXP_FLOOR), p  # no gradient where the exp's input was clamped
 
@@ -648,17 +660,18 @@ class _BranchAttention(torch.autograd.Function):
         for _, work in sent:
             work.wait()
 
-        kt = kpool.index_select(0, plan.tail_keys.reshape(-1)).view(-1, KV_BLOCK, d)
-        vt = vpool.index_select(0, plan.tail_keys.reshape(-1)).view(-1, KV_BLOCK, d)
-        q_tail = Q.index_select(0, plan.tail_rows.reshape(-1)).view(-1, plan.R, d)
-        visible, bias = plan.tail_masks()
-        s_tail = _bmm(q_tail, kt.transpose(1, 2).contiguous()) + bias
-        ds, p = grads(s_tail, plan.tail_dest, vt, visible)
-        dq_parts.append((_bmm(ds, kt), plan.tail_dest, plan.row_key_tail()))
-        key_key = plan.key_key_tail()
-        dk_parts.append((_bmm(ds.transpose(1, 2), q_tail), plan.tail_keys, key_key))
-        do_tail = dO.index_select(0, plan.tail_dest.reshape(-1)).view(-1, plan.R, d)
-        dv_parts.append((_bmm(p.transpose(1, 2), do_tail), plan.tail_keys, key_key))
+        for t in plan.tails:
+            kt = kpool.index_select(0, t.keys.reshape(-1)).view(-1, KV_BLOCK, d)
+            vt = vpool.index_select(0, t.keys.reshape(-1)).view(-1, KV_BLOCK, d)
+            q_tail = Q.index_select(0, t.rows.reshape(-1)).view(-1, t.R, d)
+            visible, bias = t.masks()
+            s_tail = _bmm(q_tail, kt.transpose(1, 2).contiguous()) + bias
+            ds, p = grads(s_tail, t.dest, vt, visible)
+            dq_parts.append((_bmm(ds, kt), t.dest, plan.row_key_tail(t)))
+            key_key = plan.key_key_tail(t)
+            dk_parts.append((_bmm(ds.transpose(1, 2), q_tail), t.keys, key_key))
+            do_tail = dO.index_select(0, t.dest.reshape(-1)).view(-1, t.R, d)
+            dv_parts.append((_bmm(p.transpose(1, 2), do_tail), t.keys, key_key))
 
         dq = _unrows(_ordered_sum(plan.n_rows + 1, dq_parts) * ctx.scale, plan, ctx.dtypes[0])
         dk, dkb = _unpool(_ordered_sum(plan.pool_rows + 1, dk_parts), plan, ctx.dtypes[1])
