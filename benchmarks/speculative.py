@@ -178,6 +178,10 @@ def run_model(args) -> str:
 
     with tempfile.TemporaryDirectory() as d:
         model = load_hf(shapes.checkpoint(args, d)).eval()
+    if args.weights:  # e.g. the policy of an RL run: its checkpoint's weights in place of the model's own
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(Path(args.weights) / "model.safetensors")))
     torch.manual_seed(0)
     n = args.prompts + args.train_prompts
     vocab, stop = model.config.vocab_size, ()
@@ -207,12 +211,12 @@ def run_model(args) -> str:
                       f"vocabulary {head.vocab.numel()}")
     rows = []
     for bs in args.batch_sizes:
-        ps = held_out[: max(bs * 2, 4)]
+        ps = held_out if bs > 1 else held_out[: max(len(held_out) // 4, 4)]
         for name, draft in (("none", None), ("trained", head)):
             r = measure(model, draft, args.k, ps, args.max_new_tokens, bs, stop=stop)
             rows.append(("-", bs, name, r))
             print(bs, name, {k: round(x, 3) for k, x in r.items()})
-    what = args.model or f"preset {args.preset}"
+    what = (args.model or f"preset {args.preset}") + (f" with the weights of {args.weights}" if args.weights else "")
     return table(rows, f"### Speculative rollouts, {what} ({datetime.date.today()}): k={args.k}, "
                        f"max_new_tokens={args.max_new_tokens}, {what_draft}")
 
@@ -290,6 +294,8 @@ def main() -> None:
     m.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary")
     m.add_argument("--save-draft", help="save the trained draft here (nemo_rz.models.draft.save_draft)")
     m.add_argument("--load-draft", help="measure a saved draft instead of training one")
+    m.add_argument("--weights", help="a checkpoint directory (runs/<run>/checkpoints/step_N) whose weights replace --model's, "
+                                     "e.g. the policy of an RL run")
     c = sub.add_parser("cost")
     shapes.add_arguments(c, default="smollm2-135m")
     c.add_argument("--vocab-size", type=int, default=8192, help="the reduced draft vocabulary")
