@@ -48,11 +48,12 @@ def learner_diff(model, outs) -> int:
     return int((lp[valid] != batch.rollout_logprobs[valid]).sum())
 
 
-def measure(model, draft, k, prompts, max_new, batch_size, seed=7, stop=()) -> dict:
-    """One timed generate of `prompts` (after an untimed one for warm-up: probes, caches)."""
+def measure(model, draft, k, prompts, max_new, batch_size, seed=7, stop=(), prefix_cache=False) -> dict:
+    """One timed generate of `prompts` (after an untimed one for warm-up: probes, caches). With `prefix_cache`
+    the engines keep their prefix caches as RL workers do (samples of one prompt then share its prefill)."""
     def engine():
         spec = None if draft is None else Speculator(draft, k)
-        return RolloutEngine(model, max_batch_size=batch_size, prefix_cache_blocks=0, speculator=spec)
+        return RolloutEngine(model, max_batch_size=batch_size, prefix_cache_blocks=4096 if prefix_cache else 0, speculator=spec)
 
     params = SamplingParams(max_new, temperature=1.0, seed=seed, stop_token_ids=tuple(stop))
     engine().generate(prompts[: max(batch_size, 2)], params)
@@ -194,6 +195,7 @@ def run_model(args) -> str:
         prompts = [task.encode_prompt(p.prompt) for p in task.sample(n, random.Random(3))]
         stop = task.tokenizer.eos_ids
     held_out, train_prompts = prompts[: args.prompts], prompts[args.prompts :]
+    held_out = [p for p in held_out for _ in range(args.group)]  # an RL batch: groups of samples per prompt
     if args.load_draft:
         head = load_draft(args.load_draft, model)
         what_draft = f"draft loaded from {args.load_draft}"
@@ -213,12 +215,13 @@ def run_model(args) -> str:
     for bs in args.batch_sizes:
         ps = held_out if bs > 1 else held_out[: max(len(held_out) // 4, 4)]
         for name, draft in (("none", None), ("trained", head)):
-            r = measure(model, draft, args.k, ps, args.max_new_tokens, bs, stop=stop)
+            r = measure(model, draft, args.k, ps, args.max_new_tokens, bs, stop=stop, prefix_cache=args.group > 1)
             rows.append(("-", bs, name, r))
             print(bs, name, {k: round(x, 3) for k, x in r.items()})
     what = (args.model or f"preset {args.preset}") + (f" with the weights of {args.weights}" if args.weights else "")
+    group = f", {args.prompts} held-out prompts x {args.group} samples with prefix caches" if args.group > 1 else ""
     return table(rows, f"### Speculative rollouts, {what} ({datetime.date.today()}): k={args.k}, "
-                       f"max_new_tokens={args.max_new_tokens}, {what_draft}")
+                       f"max_new_tokens={args.max_new_tokens}{group}, {what_draft}")
 
 
 def run_cost(args) -> str:
@@ -287,6 +290,8 @@ def main() -> None:
     shapes.add_arguments(m)
     m.add_argument("--draft-updates", type=int, default=60)
     m.add_argument("--prompts", type=int, default=32, help="held-out prompts for the measurement")
+    m.add_argument("--group", type=int, default=1, help="samples per held-out prompt, as in an RL batch; > 1 also "
+                                                        "keeps the engines' prefix caches (the group shares its prefill)")
     m.add_argument("--train-prompts", type=int, default=96, help="prompts whose samples train the draft")
     m.add_argument("--max-new-tokens", type=int, default=64)
     m.add_argument("--lr", type=float, default=3e-3)

@@ -7,10 +7,10 @@ t + 1 (the target's embedding table, not trained here). One or more decoder laye
 reads it to predict token t + 2, over the draft's own vocabulary: the rows of the head for `vocab_size` of the
 target's tokens (EAGLE-3's reduced draft vocabulary), the most frequent ones in the first data the draft trains
 on. A proposal then costs a [hidden, vocab_size] product instead of the whole head, the largest single cost of a
-small draft; tokens outside the draft vocabulary are never proposed (the target still emits them). To propose further tokens the draft feeds g_t back in place of the target
-features (the target has not seen its guesses yet): step s of a branch rooted at t sits at position t + s - 1
-and attends to the draft's own entries at positions <= t (made from target features) and to its branch's
-earlier steps.
+small draft; tokens outside the draft vocabulary are never proposed (the target still emits them). To propose
+further tokens the draft feeds g_t back in place of the target features (the target has not seen its guesses
+yet): step s of a branch rooted at t sits at position t + s - 1 and attends to the draft's own entries at
+positions <= t (made from target features) and to its branch's earlier steps.
 
 Training runs all s = 1..steps at once for every root (the "training-time test"), with the same attention
 pattern; inference runs the same layers against a KV cache. With the target's final hidden states (the learner's
