@@ -48,14 +48,14 @@ def learner_diff(model, outs) -> int:
     return int((lp[valid] != batch.rollout_logprobs[valid]).sum())
 
 
-def measure(model, draft, k, prompts, max_new, batch_size, seed=7, stop=(), prefix_cache=False) -> dict:
+def measure(model, draft, k, prompts, max_new, batch_size, seed=7, stop=(), prefix_cache=False, temperature=1.0) -> dict:
     """One timed generate of `prompts` (after an untimed one for warm-up: probes, caches). With `prefix_cache`
     the engines keep their prefix caches as RL workers do (samples of one prompt then share its prefill)."""
     def engine():
         spec = None if draft is None else Speculator(draft, k)
         return RolloutEngine(model, max_batch_size=batch_size, prefix_cache_blocks=4096 if prefix_cache else 0, speculator=spec)
 
-    params = SamplingParams(max_new, temperature=1.0, seed=seed, stop_token_ids=tuple(stop))
+    params = SamplingParams(max_new, temperature=temperature, seed=seed, stop_token_ids=tuple(stop))
     engine().generate(prompts[: max(batch_size, 2)], params)
     eng = engine()
     wall, cpu = time.perf_counter(), time.process_time()
@@ -215,11 +215,13 @@ def run_model(args) -> str:
     for bs in args.batch_sizes:
         ps = held_out if bs > 1 else held_out[: max(len(held_out) // 4, 4)]
         for name, draft in (("none", None), ("trained", head)):
-            r = measure(model, draft, args.k, ps, args.max_new_tokens, bs, stop=stop, prefix_cache=args.group > 1)
+            r = measure(model, draft, args.k, ps, args.max_new_tokens, bs, stop=stop, prefix_cache=args.group > 1,
+                        temperature=args.temperature)
             rows.append(("-", bs, name, r))
             print(bs, name, {k: round(x, 3) for k, x in r.items()})
     what = (args.model or f"preset {args.preset}") + (f" with the weights of {args.weights}" if args.weights else "")
     group = f", {args.prompts} held-out prompts x {args.group} samples with prefix caches" if args.group > 1 else ""
+    group += f", temperature {args.temperature:g}" if args.temperature != 1.0 else ""
     return table(rows, f"### Speculative rollouts, {what} ({datetime.date.today()}): k={args.k}, "
                        f"max_new_tokens={args.max_new_tokens}{group}, {what_draft}")
 
@@ -299,6 +301,7 @@ def main() -> None:
     m.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary")
     m.add_argument("--save-draft", help="save the trained draft here (nemo_rz.models.draft.save_draft)")
     m.add_argument("--load-draft", help="measure a saved draft instead of training one")
+    m.add_argument("--temperature", type=float, default=1.0, help="of the measured rollouts (0: greedy, e.g. evaluation)")
     m.add_argument("--weights", help="a checkpoint directory (runs/<run>/checkpoints/step_N) whose weights replace --model's, "
                                      "e.g. the policy of an RL run")
     c = sub.add_parser("cost")
