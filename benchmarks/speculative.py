@@ -200,7 +200,7 @@ def run_model(args) -> str:
         head = load_draft(args.load_draft, model)
         what_draft = f"draft loaded from {args.load_draft}"
     else:
-        head = DraftHead(model.config, num_layers=1, vocab_size=args.vocab_size)
+        head = DraftHead(model.config, num_layers=args.draft_layers, vocab_size=args.vocab_size)
         trainer = DraftTrainer(head, "cotrain", args.lr, 1.0, args.steps, args.k)
         print(f"samples for the draft ({len(train_prompts)} prompts)")
         data = samples(model, head, train_prompts, args.max_new_tokens, stop=stop)
@@ -209,8 +209,8 @@ def run_model(args) -> str:
         train_offline(model, trainer, data, args.draft_updates, held)
         if args.save_draft:
             save_draft(head, args.save_draft)
-        what_draft = (f"draft trained offline for {args.draft_updates} steps on {len(train_prompts)} prompts' samples, "
-                      f"vocabulary {head.vocab.numel()}")
+        what_draft = (f"{args.draft_layers}-layer draft trained offline for {args.draft_updates} steps on "
+                      f"{len(train_prompts)} prompts' samples, vocabulary {head.vocab.numel()}")
     rows = []
     for bs in args.batch_sizes:
         ps = held_out if bs > 1 else held_out[: max(len(held_out) // 4, 4)]
@@ -298,6 +298,7 @@ def main() -> None:
     m.add_argument("--max-new-tokens", type=int, default=64)
     m.add_argument("--lr", type=float, default=3e-3)
     m.add_argument("--steps", type=int, default=3, help="training-time-test steps")
+    m.add_argument("--draft-layers", type=int, default=1, help="the draft's decoder layers")
     m.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary")
     m.add_argument("--save-draft", help="save the trained draft here (nemo_rz.models.draft.save_draft)")
     m.add_argument("--load-draft", help="measure a saved draft instead of training one")
