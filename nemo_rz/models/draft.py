@@ -274,6 +274,20 @@ class DraftHead(nn.Module):
         for s, x in self.run_steps(target, self.fc(aux), reads, positions, functools.partial(self.dense_attention, batch=b)):
             yield s, x.view(b, length, -1)
 
+    def token_losses(self, target: Decoder, g: torch.Tensor, temperature: float, labels: torch.Tensor,
+                     final: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row losses [n] of draft states g [n, H] and the draft's log q [n, vocab_size] at `temperature`
+        (the engine samples proposals from softmax(logits / temperature): that is the distribution trained). With
+        the target's final hidden states `final` [n, H] at the predicted token's position, the cross-entropy
+        against the target's distribution at `temperature` over the draft vocabulary; without, against
+        `labels` [n] (indices in the draft vocabulary)."""
+        logq = torch.log_softmax(self.logits(target, g).float() / temperature, -1)
+        if final is None:
+            return -logq.gather(1, labels[:, None]).squeeze(1), logq
+        with torch.no_grad():
+            p = torch.softmax(self.target_logits(target, final).float() / temperature, -1)
+        return -(p * logq).sum(-1), logq
+
     def training_loss(self, target: Decoder, aux: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
                       steps: int, temperature: float = 1.0, rollout_logprobs: torch.Tensor | None = None,
                       final: torch.Tensor | None = None):
@@ -301,16 +315,10 @@ class DraftHead(nn.Module):
             rows = valid.reshape(-1).nonzero().squeeze(1)
             if rows.numel() == 0:
                 continue
-            # The engine samples proposals from softmax(logits / temperature): train that distribution.
-            logits = self.logits(target, x.reshape(b * length, -1).index_select(0, rows)).float()
-            logq = torch.log_softmax(logits / temperature, -1)
             labels = labels.reshape(-1).index_select(0, rows)
-            if final is None:
-                loss = F.nll_loss(logq, labels)
-            else:
-                with torch.no_grad():
-                    p = torch.softmax(self.target_logits(target, final.index_select(0, rows + s)).float() / temperature, -1)
-                loss = -(p * logq).sum(-1).mean()
+            losses, logq = self.token_losses(target, x.reshape(b * length, -1).index_select(0, rows), temperature,
+                                             labels, None if final is None else final.index_select(0, rows + s))
+            loss = losses.mean()
             total = total + loss
             metrics[f"draft_loss_{s}"] = float(loss.detach())
             if rollout_logprobs is not None:

@@ -219,14 +219,8 @@ def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: t
         if count == 0:
             continue
         rows = valid[shard.index].nonzero().squeeze(1)
-        logq = torch.log_softmax(draft.logits(target, x.index_select(0, rows)).float() / temperature, -1)
-        if final is None:
-            term = -logq.gather(1, labels[shard.index[rows], None]).squeeze(1)
-        else:
-            with torch.no_grad():
-                p = draft.target_logits(target, final.index_select(0, shard.index[rows] + s)).float()
-                p = torch.softmax(p / temperature, -1)
-            term = -(p * logq).sum(-1)
+        term, _ = draft.token_losses(target, x.index_select(0, rows), temperature, labels[shard.index[rows]],
+                                     None if final is None else final.index_select(0, shard.index[rows] + s))
         everyone = shard.gather(term.new_zeros(n).index_copy(0, rows, term.detach()), group)
         step_loss = everyone[valid].sum() / count
         metrics[f"draft_loss_{s}"] = float(step_loss)
