@@ -21,7 +21,11 @@ class DivergenceError(RuntimeError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse raising ConfigError for a bad argument (instead of printing the usage text, then the error)."""
+    """argparse raising ConfigError for a bad argument (instead of printing the usage text, then the error), and
+    taking options and positional arguments (`key=value` overrides) in any order."""
+
+    def parse_args(self, args=None, namespace=None):
+        return self.parse_intermixed_args(args, namespace)
 
     def error(self, message):
         raise ConfigError(f"{message} (see {self.prog} --help)")

@@ -63,6 +63,9 @@ def _prepare(argv) -> tuple:
         run_dir = Path(cfg.run_dir or f"runs/{cfg.task.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         if (run_dir / "checkpoints").exists() or (run_dir / "metrics.jsonl").exists():
             raise ConfigError(f"run_dir {run_dir} already holds a run; pass resume={run_dir} to continue it or choose a new run_dir")
+        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+            what = "a folder with other files in it" if run_dir.is_dir() else "not a folder"
+            raise ConfigError(f"run_dir {run_dir} is {what}, not a run; choose a new or empty run_dir")
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
