@@ -9,10 +9,10 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    # kernels/ and conf/ stay at the top of the repository; installed, they are nemo_rz.kernels and nemo_rz/conf
-    # (the default config and the presets), so `python -m nemo_rz.train` works from any folder.
-    packages=find_packages(include=["nemo_rz", "nemo_rz.*"]) + ["nemo_rz.kernels", "nemo_rz.conf"],
-    package_dir={"nemo_rz.kernels": "kernels", "nemo_rz.conf": "conf"},
+    # conf/ stays at the top of the repository (users read and copy it); installed, it is nemo_rz/conf (the default
+    # config and the presets), so `python -m nemo_rz.train` works from any folder.
+    packages=find_packages(include=["nemo_rz", "nemo_rz.*"]) + ["nemo_rz.conf"],
+    package_dir={"nemo_rz.conf": "conf"},
     package_data={"nemo_rz.conf": ["*.yaml"]},
     install_requires=[
         "torch>=2.13",

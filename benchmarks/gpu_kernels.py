@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import math
 import os
 import statistics
@@ -42,21 +41,12 @@ PEAKS = [
 
 
 def import_kernels():
-    """``nemo_rz.kernels`` when installed; otherwise this checkout's ``kernels/`` under that name."""
+    """``nemo_rz.kernels``, from the installed package or, when nemo-rz is not installed, this checkout."""
     try:
         return importlib.import_module("nemo_rz.kernels")
     except ImportError:
-        pass
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root))
-    importlib.import_module("nemo_rz")
-    spec = importlib.util.spec_from_file_location(
-        "nemo_rz.kernels", root / "kernels" / "__init__.py", submodule_search_locations=[str(root / "kernels")]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["nemo_rz.kernels"] = module
-    spec.loader.exec_module(module)
-    return module
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        return importlib.import_module("nemo_rz.kernels")
 
 
 # ------------------------------------------------------------------------------------------------ timing

@@ -1,16 +1,18 @@
 """The wheel carries the default config and presets: `python -m nemo_rz.train` runs from any folder.
 
 The wheel is built from a copy of the source tree (no stale build/ output), installed with --no-deps into a
-fresh virtual environment that reuses this interpreter's packages (torch...) through --system-site-packages,
+fresh virtual environment that reuses this interpreter's packages (torch...) through a .pth file,
 and a 2-update job runs from an empty temporary folder. The package must come from the venv, not this
-checkout. Negative control: the same wheel without conf/ mapped into the package fails to start.
+checkout. Negative control: the same install without its packaged conf/ fails to start.
 """
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -28,8 +30,13 @@ def _wheel(src: Path, out: Path) -> Path:
 
 
 def _venv(path: Path, wheel: Path) -> Path:
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(path)
+    venv.EnvBuilder(with_pip=False).create(path)
     python = path / "bin" / "python"
+    # This interpreter's packages (torch...), whether it is a virtual environment or not; its .pth files are not
+    # read from there, so the checkout's editable install stays off the path.
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "_outer_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
                    check=True, capture_output=True, text=True)
     return python
@@ -65,15 +72,13 @@ def test_wheel_runs_from_any_folder(source, tmp_path):
 
 
 def test_negative_control_wheel_without_conf(source, tmp_path):
-    setup = source / "setup.py"
-    text = setup.read_text()
-    broken = text.replace(', "nemo_rz.conf": "conf"', "").replace(' + ["nemo_rz.kernels", "nemo_rz.conf"]',
-                                                                     ' + ["nemo_rz.kernels"]')
-    assert broken != text
-    setup.write_text(broken)
-    try:
-        python = _venv(tmp_path / "venv", _wheel(source, tmp_path / "dist"))
-    finally:
-        setup.write_text(text)
+    """The same wheel with its packaged config removed from the install fails to start, naming the file."""
+    wheel = _wheel(source, tmp_path / "dist")
+    assert any(n.startswith("nemo_rz/kernels/") for n in zipfile.ZipFile(wheel).namelist())  # the Triton kernels ship too
+    python = _venv(tmp_path / "venv", wheel)
+    conf = subprocess.run([str(python), "-c", "import nemo_rz.config as c, pathlib; print(pathlib.Path(c.DEFAULT).parent)"],
+                          cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+    assert conf.startswith(str(tmp_path / "venv"))
+    shutil.rmtree(conf)
     out = _train(python, tmp_path)
     assert out.returncode != 0 and "default.yaml" in out.stderr

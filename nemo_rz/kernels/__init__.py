@@ -19,8 +19,8 @@ _LAZY = {
     "silu_and_mul": "activation",
     "token_logprobs": "logprobs",
     "log_softmax": "logprobs",
-    "attention": "attention",
-    "KV_BLOCK": "attention",
+    "attention": "causal_attention",
+    "KV_BLOCK": "causal_attention",
     "expert_linear": "moe",
 }
 

@@ -19,8 +19,6 @@ Caches must already hold the K/V of every visible key, including the query's own
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import Optional
 
 import torch
@@ -171,13 +169,3 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     _check(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table, sinks)
     return _attention(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table, KV_BLOCK, sinks)
 
-
-class _CallableModule(types.ModuleType):
-    """Importing this submodule makes ``nemo_rz.kernels.attention`` name the module instead of the
-    function; calling the module calls the function, so ``kernels.attention(...)`` works either way."""
-
-    def __call__(self, *args, **kwargs):
-        return attention(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
