@@ -17,7 +17,7 @@ import math
 import torch
 
 from nemo_rz.errors import DivergenceError
-from nemo_rz.models.draft import DraftHead, expected_tokens_per_pass
+from nemo_rz.models.draft import DraftHead, aux_features, expected_tokens_per_pass
 
 MODES = ("off", "cotrain", "frozen")
 
@@ -37,6 +37,11 @@ def summary(metrics: dict[str, float], k: int) -> dict[str, float]:
 
 
 class DraftTrainer:
+    """The draft as the learner's auxiliary loss (algorithms.aux_loss.AuxLoss): it taps the learner's forward for
+    its auxiliary layers' features and the final hidden states, and ships its weights with every version."""
+
+    name = "draft"
+
     def __init__(self, draft: DraftHead, mode: str, lr: float, loss_weight: float, steps: int, k: int,
                  grad_clip: float | None = None, fresh: bool = True):
         if mode not in MODES[1:]:
@@ -47,6 +52,20 @@ class DraftTrainer:
         self.lr, self.loss_weight, self.grad_clip = lr, loss_weight, grad_clip
         self.opt = torch.optim.Adam(draft.parameters(), lr=lr) if mode == "cotrain" else None
         self.vocab_pending = fresh and self.opt is not None and not draft.full_vocab  # chosen by the first step
+
+    def tap(self, model):
+        return aux_features(model, self.draft.aux_layers, final=True)
+
+    def learn(self, model, tapped: list, batch, temperature: float, what: str = "draft") -> dict[str, float]:
+        """The auxiliary-loss step: `step` on the features of the learner's one forward of this batch."""
+        aux, final = tapped[0]
+        return self.step(model, aux, batch.input_ids, batch.mask, temperature, batch.rollout_logprobs, what, final)
+
+    def shipped(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.draft.state_dict().items()}
+
+    def receive(self, weights: dict[str, torch.Tensor]) -> None:
+        self.draft.load_state_dict(weights)
 
     def step(self, target, aux: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor, temperature: float,
              rollout_logprobs: torch.Tensor | None = None, what: str = "draft",

@@ -7,11 +7,12 @@ import math
 import torch
 
 from nemo_rz import algorithms, plugins
+from nemo_rz.algorithms import aux_loss
 from nemo_rz.errors import DivergenceError
 from nemo_rz.generation.packing import Packed
 from nemo_rz.metrics import decomposition, routing_diff_tokens
 from nemo_rz.models import Decoder
-from nemo_rz.models.draft import aux_features, split_state, with_draft
+from nemo_rz.models.draft import split_state, with_draft
 from nemo_rz.models.moe import recorded_routing
 
 LOSSES = plugins.names("loss")  # every registered loss: the built-ins (reinforce_zero, ppo_clip), then plugins'
@@ -47,7 +48,7 @@ class Learner:
         self.opt = torch.optim.Adam(model.parameters(), lr=lr)
         self.grad_clip, self.temperature, self.loss = grad_clip, temperature, loss
         self.correction, self.correction_params = correction, dict(correction_params)
-        self.draft = None  # a nemo_rz.algorithms.draft.DraftTrainer when a draft is co-trained (or evaluated)
+        self.aux_losses: list[aux_loss.AuxLoss] = []  # fed by the RL forward's features (a co-trained draft)
 
     @contextlib.contextmanager
     def supervised(self, lr: float):
@@ -59,16 +60,31 @@ class Learner:
         finally:
             self.opt = torch.optim.Adam(self.model.parameters(), lr=self.lr)
 
+    def add_aux_loss(self, loss: aux_loss.AuxLoss) -> None:
+        if any(a.name == loss.name for a in self.aux_losses):
+            raise ValueError(f"an auxiliary loss named {loss.name!r} is already registered")
+        self.aux_losses.append(loss)
+
+    @property
+    def draft(self):
+        """The co-trained (or evaluated) draft's trainer, or None."""
+        return next((a for a in self.aux_losses if a.name == "draft"), None)
+
+    @draft.setter
+    def draft(self, trainer) -> None:
+        self.aux_losses = [a for a in self.aux_losses if a.name != "draft"] + ([trainer] if trainer is not None else [])
+
     def optimizer_state(self) -> dict:
-        state = self.opt.state_dict()
-        return state if self.draft is None else {**state, "draft": self.draft.state_dict()}
+        """The policy's optimizer, and each auxiliary loss's state under its name."""
+        return {**self.opt.state_dict(), **{a.name: a.state_dict() for a in self.aux_losses}}
 
     def load_optimizer_state(self, state: dict, lr: float) -> None:
         """Restore a saved optimizer; `lr` replaces the saved learning rate (a resume may lower it)."""
         state = dict(state)
-        draft_state = state.pop("draft", None)
-        if self.draft is not None and draft_state is not None:
-            self.draft.load_state_dict(draft_state)
+        for a in self.aux_losses:
+            saved = state.pop(a.name, None)
+            if saved is not None:
+                a.load_state_dict(saved)
         self.opt.load_state_dict(state)
         self.lr = lr
         for g in self.opt.param_groups:
@@ -103,8 +119,7 @@ class Learner:
     def rl_step(self, batch: Packed, advantages: torch.Tensor, what: str = "RL update") -> tuple[dict[str, float], torch.Tensor]:
         """One update; returns its metrics and the learner logprobs it used (detached, pre-update weights)."""
         self.model.train()
-        draft = self.draft
-        with aux_features(self.model, draft.draft.aux_layers, final=True) if draft else contextlib.nullcontext([]) as found:
+        with aux_loss.tapped(self.model, self.aux_losses) as taps:
             lp = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature)
         nan = int(torch.isnan(lp.detach()[batch.mask.bool()]).sum())
         if nan:  # the learner's own numbers broke (a mismatch with the rollout would give finite or -inf values)
@@ -113,10 +128,8 @@ class Learner:
         missing = [k for k in LOSS_METRICS if k not in m]
         if missing:
             raise ValueError(f"loss {self.loss!r} reported no {', '.join(missing)} in its metrics; see docs/plugins.md")
-        if draft is not None:  # this forward's features, detached: no second target pass, no gradient to the policy
-            aux, final = found[0]
-            m.update(draft.step(self.model, aux, batch.input_ids, batch.mask, self.temperature, batch.rollout_logprobs,
-                                what, final))
+        # this forward's features, detached: no second pass of the policy, no gradient to it
+        m.update(aux_loss.learn(self.model, self.aux_losses, taps, batch, self.temperature, what))
         m["grad_norm"] = self._apply(loss, what)
         return m, lp.detach()
 

@@ -141,7 +141,7 @@ class Trainer:
             head = DraftHead(self.model.config, d.aux_layers, d.num_layers, OmegaConf.select(d, "vocab_size"))
         trainer = DraftTrainer(head, mode, d.lr, d.loss_weight, d.steps, d.k, self.cfg.algo.grad_clip,
                                fresh=d.checkpoint is None)
-        self.learner.draft = trainer
+        self.learner.add_aux_loss(trainer)
         return trainer
 
     def _warmup(self) -> None:
