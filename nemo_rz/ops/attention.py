@@ -23,6 +23,12 @@ Attention sinks (gpt-oss): one learned logit per query head that joins every row
 contributes no value. The shift becomes m = max(row max, sink), and exp(sink - m) is added to sum p after the
 blocks (computed on a fixed-width padded tensor, so no element takes a vector loop's scalar tail).
 
+The arithmetic of a pair and the merge are one core, used by every consistent attention here and in the
+context-parallel ring (parallel/context.py, which adds only where a key block's pairs are computed and the
+order their partials merge in), and so in a draft's training-time test:
+    tile_scores(q, k, bias) -> s;  row_max(m, index, s) -> the shift m;
+    tile_partials(s, m rows, v, visible) -> [P @ V | sum p];  merge_partials(n, index, partials) -> sums in the
+    given order;  tile_output(acc, D, extra) -> out;  tile_weights (p alone: the ring's backward).
 The tile height R and the bookkeeping (tile slots, (tile, block) pairs, masks) are in
 ops/attention_plan.py.
 """
@@ -144,32 +150,21 @@ def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: Tiled, sinks=No
         # model wrote, or zeros, so there adding -inf hides a key exactly.)
         past = paged[3]
         k, v = k.masked_fill(past, 0.0), v.masked_fill(past, 0.0)
-    # Keys as contiguous [D, KV_BLOCK] blocks: BLAS takes row-invariant paths only for that layout (verified.py).
-    with one_thread():  # tile heights vary only where one-thread products were probed (tile_rows)
-        s = torch.bmm(qp, k.transpose(1, 2).contiguous()) + t.bias
-    with torch.no_grad():  # the shift cancels in the softmax; no gradient flows through it
-        s_max = s.amax(-1)
-        m = s_max.new_full((t.n_tiles, R), float("-inf"))
-        m.scatter_reduce_(0, t.p.tile_index, s_max[:real] if real < n_pairs else s_max, "amax")
+    s = tile_scores(qp, k, t.bias)
+    m = row_max(s.new_full((t.n_tiles, R), float("-inf")), t.p.tile_index, s[:real] if real < n_pairs else s)
     if sinks is not None:
         sink = sinks.float().index_select(0, t.slot_head.reshape(-1)).view(t.n_tiles, R)  # [T, R]
         with torch.no_grad():
             m = torch.maximum(m, sink)
-    # exp of -inf or of very negative numbers (denormal results) is many times slower than of ordinary ones:
-    # exp runs on inputs clamped to >= -87 (results stay normal), and hidden keys are then zeroed exactly.
-    # A weight below e^-87 ~ 1.6e-38 becomes 1.6e-38: a fixed function of the row, like everything here.
-    p = torch.exp((s - m.index_select(0, t.pair_tile).unsqueeze(-1)).clamp(min=_EXP_FLOOR)) * t.visible
-    # P @ [V | 1 ...]: the appended columns of ones give the row sums of P in the same product.
-    with one_thread():
-        pv = torch.bmm(p, F.pad(v, (0, ones_columns(dim)), value=1.0))  # [P, R, D + w]
-    # Sum over a tile's blocks in increasing block order (index_add_ adds the pairs one after another).
-    acc = pv.new_zeros(t.n_tiles, R, pv.shape[-1]).index_add_(0, t.pair_tile[:real], pv[:real] if real < n_pairs else pv)
-    total = acc[..., dim : dim + 1]
+    pv = tile_partials(s, m.index_select(0, t.pair_tile), v, t.visible)
+    # A tile's pairs are listed by block: merged in increasing block order.
+    acc = merge_partials(t.n_tiles, t.pair_tile[:real], pv[:real] if real < n_pairs else pv)
+    extra = None
     if sinks is not None:
         # exp over [T, R, TILE_ROWS] (a whole number of SIMD loop steps), of which column 0 is used.
         shifted = F.pad((sink - m).clamp(min=_EXP_FLOOR).unsqueeze(-1), (0, TILE_ROWS - 1))
-        total = total + torch.exp(shifted)[..., :1]
-    out_t = acc[..., :dim] / total
+        extra = torch.exp(shifted)[..., :1]
+    out_t = tile_output(acc, dim, extra)
     out = out_t.reshape(t.n_tiles * R, dim).index_select(0, t.out_rows)[: n * heads].view(n, heads, dim)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
@@ -210,3 +205,68 @@ def _attention_fast(q, k_cache, v_cache, scale, block_table, p: Padded, sinks=No
     if lay.single:
         return out.reshape(n, heads, dim)
     return out.reshape(n_seqs * lay.q_len, heads, dim).index_select(0, lay.flat)
+
+
+# -- the consistent core: partials of (query tile, key block) pairs and their ordered merge ----------------
+# ops.attention's consistent path and the context-parallel ring (parallel/context.py) both compute attention
+# with these functions; they differ only in which pairs they form and in what order the partials are merged.
+
+
+def tile_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.bmm on one thread (tile heights vary only where one-thread products were probed: tile_rows), over
+    at least two products (a batch of one may take another BLAS path)."""
+    if a.shape[0] == 1:
+        return tile_bmm(a.expand(2, -1, -1).contiguous(), b.expand(2, -1, -1).contiguous())[:1]
+    with one_thread():
+        return torch.bmm(a, b)
+
+
+def tile_scores(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores [P, R, KV_BLOCK] of P (query tile, key block) pairs: q [P, R, D] (float32, already scaled) against
+    k [P, KV_BLOCK, D] (float32), plus bias [P, R, KV_BLOCK] (0 where a key is visible, -inf where hidden), or
+    no bias where every key of every pair is visible."""
+    # Keys as contiguous [D, KV_BLOCK] blocks: BLAS takes row-invariant paths only for that layout (verified.py).
+    s = tile_bmm(q, k.transpose(1, 2).contiguous())
+    return s if bias is None else s + bias
+
+
+def row_max(m: torch.Tensor, index: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """m with each row's maximum score folded in (scatter_reduce_ "amax" along dim 0 at `index`, shaped like
+    s.amax(-1) or flat): the softmax shift, the row's exact maximum visible score, which any order of pairs
+    gives. No gradient flows through it (the shift cancels in the softmax)."""
+    with torch.no_grad():
+        return m.scatter_reduce_(0, index, s.amax(-1).view(index.shape), "amax")
+
+
+def tile_weights(s: torch.Tensor, shift: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """p = exp(max(s - shift, -87)) * visible [P, R, KV_BLOCK] for scores s and each row's shift [P, R].
+
+    exp of -inf or of very negative numbers (denormal results) is many times slower than of ordinary ones: exp
+    runs on inputs clamped to >= -87 (results stay normal), and hidden keys are then zeroed exactly by
+    `visible` (0/1; None: every key visible). A weight below e^-87 ~ 1.6e-38 becomes 1.6e-38: a fixed function
+    of the row, like everything here."""
+    p = torch.exp((s - shift.unsqueeze(-1)).clamp(min=_EXP_FLOOR))
+    return p if visible is None else p * visible
+
+
+def tile_partials(s: torch.Tensor, shift: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """[P @ V | sum p] [P, R, D + w] of each pair: p = tile_weights(s, shift, visible), v [P, KV_BLOCK, D]
+    (float32). The columns of ones appended to V give P's row sums in the same product."""
+    p = tile_weights(s, shift, visible)
+    return tile_bmm(p, F.pad(v, (0, ones_columns(v.shape[-1])), value=1.0))
+
+
+def merge_partials(n: int, index: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
+    """[n, ...]: the partials [P, ...] added into rows index [P] one after another in the order given, starting
+    from zeros (index_add_ runs sequentially over P). Callers list each row's pairs in increasing block order;
+    a block past a row's position adds exact zeros."""
+    return partials.new_zeros(n, *partials.shape[1:]).index_add_(0, index, partials)
+
+
+def tile_output(acc: torch.Tensor, dim: int, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """out [..., D] = (P @ V) / (sum p + extra) of merged partials acc [..., D + w] (extra: the sinks' weights
+    [..., 1], or None)."""
+    total = acc[..., dim : dim + 1]
+    if extra is not None:
+        total = total + extra
+    return acc[..., :dim] / total

@@ -7,25 +7,28 @@ blocks of KV_BLOCK tokens, its blocks into 2W chunks of nearly equal size, and r
 2W-1-c's many, so the work is balanced; the rotation by s deals sequences shorter than 2W blocks round the
 ranks instead of piling them on one. A key block never straddles two ranks.
 
-Arithmetic. Each output row is computed exactly as ops.attention's consistent path computes it on one process
-(see its docstring): scores of row tiles [R, D] against key blocks [D, KV_BLOCK] by torch.bmm on one thread,
-the softmax shift m = the row's exact maximum visible score, p = exp(max(s - m, -87)) * visible,
-[P @ V | sum p] per (tile, block) by torch.bmm against [V | 1], those partials added in increasing block order
+Arithmetic. Each output row is computed by ops.attention's consistent core (tile_scores, row_max,
+tile_partials, merge_partials, tile_output; see its docstring), exactly as ops.attention computes it on one
+process: scores of row tiles [R, D] against key blocks [D, KV_BLOCK], the softmax shift m = the row's exact
+maximum visible score, [P @ V | sum p] per (tile, block), those partials added in increasing block order
 starting from zeros, out = (P @ V) / sum p. A row's bits depend only on its own keys and their blocks (the
 row-invariance ops.attention relies on), so the result equals single-process attention bit for bit whatever
-the rank count. The ring changes only where a block's products are computed:
+the rank count. The ring adds only where a block's products are computed and the order of the merge:
 - pass 1 circulates the key blocks: each rank scores its queries against every block it receives and keeps
   the scores; the exact max needs no order;
-- pass 2 circulates the value blocks: p and the [P @ V | sum p] partials, kept with each pair's block index;
-- the partials are then added per row in block-index order, never in ring-arrival order.
+- pass 2 circulates the value blocks: the [P @ V | sum p] partials, kept with each pair's block index;
+- the partials are then added per row in block-index order (`_ordered_sum`), never in ring-arrival order.
 Like ops.attention's consistent path (which materialises all pairs of a forward at once), this keeps every
 (tile, block) partial of the rank's queries: memory grows with queries x visible keys / KV_BLOCK.
 
 Backward (a ring of its own): key and value blocks circulate once more; each rank recomputes s and p for its
-queries, forms dS, and keeps dQ partials; the dK and dV partials of a block go straight back to the block's
-owner. Both are added in fixed orders (dQ: by key block; dK, dV: by query block), so gradients are the same
-bits for any rank count (1, 2, 4 ... processes). They are the exact gradients of the forward above; the
-library backward of ops.attention sums the same terms in other orders (equal within float32 rounding).
+queries (the core's tile_scores and tile_weights), forms dS, and keeps dQ partials; the dK and dV partials of
+a block go straight back to the block's owner. Both are added in fixed orders (dQ: by key block; dK, dV: by
+query block), so gradients are the same bits for any rank count (1, 2, 4 ... processes). They are the exact
+gradients of the forward above; the library backward of ops.attention sums the same terms in other orders
+(equal within float32 rounding). It is written out rather than left to autograd over the core: autograd
+cannot carry a gradient back over the ring's send/receive, and it would add a key block's contributions from
+other ranks' queries in the order its graph happens to visit them, not in a fixed order by query block.
 
 Branch attention (`branch_attention`): a draft's training-time test runs J further steps at every position; the
 query of step j (1..J) at position p attends to the main sequence's keys 0..p (blocks before p's own block come
@@ -65,9 +68,9 @@ import torch.nn.functional as F
 
 from nemo_rz import ops
 from nemo_rz.models.decoder import Decoder, Tokens
-from nemo_rz.ops.attention import _EXP_FLOOR, KV_BLOCK
-from nemo_rz.ops.attention_plan import ones_columns, tile_rows
-from nemo_rz.ops.verified import one_thread
+from nemo_rz.ops.attention import (_EXP_FLOOR, KV_BLOCK, merge_partials, row_max, tile_bmm, tile_output, tile_partials,
+                                   tile_scores, tile_weights)
+from nemo_rz.ops.attention_plan import tile_rows
 from nemo_rz.parallel.tensor import gather_parts, tree_sum
 
 if TYPE_CHECKING:
@@ -459,17 +462,10 @@ def _plan(cu_seqlens, world, rank, heads, kv_heads, head_dim, steps, queries) ->
 # -- arithmetic -----------------------------------------------------------------------------------------------
 
 
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.bmm on one thread, always over at least two products (a batch of one may take another BLAS path)."""
-    if a.shape[0] == 1:
-        return _bmm(a.expand(2, -1, -1).contiguous(), b.expand(2, -1, -1).contiguous())[:1]
-    with one_thread():
-        return torch.bmm(a, b)
-
-
 def _ordered_sum(n_rows: int, parts) -> torch.Tensor:
     """Sum of partial rows into n_rows rows: parts are (values [P, r, C], dest rows [P, r], key [P]); the
-    contributions to a row are added one after another (index_add_) in increasing key, starting from zeros."""
+    contributions to a row are added one after another (ops.attention's merge_partials) in increasing key,
+    never in the order the ring computed them."""
     dest = torch.cat([d.reshape(-1) for _, d, _ in parts])
     key = torch.cat([k[:, None].expand(d.shape).reshape(-1) for _, d, k in parts])
     order = torch.argsort(key, stable=True)
@@ -480,7 +476,7 @@ def _ordered_sum(n_rows: int, parts) -> torch.Tensor:
         n = v.numel() // width
         values.index_copy_(0, place[start : start + n], v.reshape(n, width))
         start += n
-    return values.new_zeros(n_rows, width).index_add_(0, dest[order], values)
+    return merge_partials(n_rows, dest[order], values)
 
 
 def _ring(tensors: list[torch.Tensor], plan: _Plan, group):
@@ -513,6 +509,17 @@ def _pair_keys(blocks: torch.Tensor, pairs: _Pairs) -> torch.Tensor:
 def _tiles(x: torch.Tensor, per_pair: int) -> torch.Tensor:
     """Repeat each pair's [r, c] operand for its `per_pair` tiles, as one contiguous batch."""
     return x.unsqueeze(1).expand(-1, per_pair, -1, -1).reshape(-1, *x.shape[1:])
+
+
+def _key_tiles(kp: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """The pairs' key blocks [P, KV_BLOCK, D] for each of their tiles [P * tiles, KV_BLOCK, D], as a view of
+    contiguous [D, KV_BLOCK] blocks (the layout tile_scores multiplies by: no second copy there)."""
+    return _tiles(kp.transpose(1, 2), plan.rows_g // plan.R).transpose(1, 2)
+
+
+def _rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x's rows at index [...]: [*index.shape, *x.shape[1:]]."""
+    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
 
 
 def _layout(steps: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -549,17 +556,15 @@ def _unpool(pool: torch.Tensor, plan: _Plan, dtype) -> tuple[torch.Tensor, torch
     return x[0], x[1:]
 
 
-def _shifted(s: torch.Tensor, m: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    return s - m.index_select(0, rows.reshape(-1)).view(*rows.shape, 1)
-
-
 class _BranchAttention(torch.autograd.Function):
+    """Every (query tile, key block) pair of the rank's queries by ops.attention's core: full pairs as the ring
+    brings their key and value blocks, the rank-local tails after them; partials merged in block order."""
+
     @staticmethod
     def forward(ctx, plan: _Plan, group, scale, queries, k, v, kb, vb):
         d = queries.shape[-1]
         Q = _query_rows(queries, plan) * scale
         kpool, vpool = _key_pool(k, kb, plan), _key_pool(v, vb, plan)
-        ones = ones_columns(d)
         tiles = plan.rows_g // plan.R
         m = Q.new_full((plan.n_rows + 1,), float("-inf"))
 
@@ -570,17 +575,15 @@ class _BranchAttention(torch.autograd.Function):
             if pairs.n == 0:
                 scores.append(None)
                 continue
-            rows = plan.full_rows(pairs)
-            qp = Q.index_select(0, rows.reshape(-1)).view(-1, plan.R, d)
-            s = _bmm(qp, _tiles(_pair_keys(kblocks, pairs).transpose(1, 2), tiles))
-            m.scatter_reduce_(0, rows.reshape(-1), s.amax(-1).reshape(-1), "amax")
+            rows = plan.full_rows(pairs).view(-1, plan.R)
+            s = tile_scores(_rows_of(Q, rows), _key_tiles(_pair_keys(kblocks, pairs), plan))
+            row_max(m, rows.reshape(-1), s)
             scores.append(s)
         tail_scores = []
         for t in plan.tails:
-            kt = kpool.index_select(0, t.keys.reshape(-1)).view(-1, KV_BLOCK, d)
             visible, bias = t.masks()
-            s_tail = _bmm(Q.index_select(0, t.rows.reshape(-1)).view(-1, t.R, d), kt.transpose(1, 2).contiguous()) + bias
-            m.scatter_reduce_(0, t.dest.reshape(-1), s_tail.amax(-1).reshape(-1), "amax")
+            s_tail = tile_scores(_rows_of(Q, t.rows), _rows_of(kpool, t.keys), bias)
+            row_max(m, t.dest.reshape(-1), s_tail)
             tail_scores.append((s_tail, visible))
 
         # Pass 2, values: [P @ V | sum p] of every pair, kept with its block's place in the row's order.
@@ -590,16 +593,14 @@ class _BranchAttention(torch.autograd.Function):
             if s is None:
                 continue
             rows = plan.full_rows(pairs).view(-1, plan.R)
-            p = torch.exp(_shifted(s, m, rows).clamp(min=_EXP_FLOOR))
-            vp = _tiles(F.pad(_pair_keys(vblocks, pairs), (0, ones), value=1.0), tiles)
-            parts.append((_bmm(p, vp), rows, plan.row_key_full(pairs).repeat_interleave(tiles)))
+            pv = tile_partials(s, _rows_of(m, rows), _tiles(_pair_keys(vblocks, pairs), tiles))
+            parts.append((pv, rows, plan.row_key_full(pairs).repeat_interleave(tiles)))
             scores[step] = None
         for t, (s_tail, visible) in zip(plan.tails, tail_scores):
-            vt = vpool.index_select(0, t.keys.reshape(-1)).view(-1, KV_BLOCK, d)
-            p_tail = torch.exp(_shifted(s_tail, m, t.dest).clamp(min=_EXP_FLOOR)) * visible
-            parts.append((_bmm(p_tail, F.pad(vt, (0, ones), value=1.0)), t.dest, plan.row_key_tail(t)))
+            pv = tile_partials(s_tail, _rows_of(m, t.dest), _rows_of(vpool, t.keys), visible)
+            parts.append((pv, t.dest, plan.row_key_tail(t)))
         acc = _ordered_sum(plan.n_rows + 1, parts)
-        out = acc[:, :d] / acc[:, d : d + 1]
+        out = tile_output(acc, d)
 
         ctx.plan, ctx.group, ctx.scale = plan, group, scale
         ctx.dtypes = (queries.dtype, k.dtype, v.dtype)
@@ -616,15 +617,13 @@ class _BranchAttention(torch.autograd.Function):
         delta = (_query_rows(dout, plan) * out).sum(-1) / denom
         dO[-1], delta[-1] = 0.0, 0.0  # the dump row: padding of tail tiles contributes nothing
 
-        def grads(s, rows, vp, visible=None):
+        def grads(s, rows, v, visible=None):
             """dS and p of one batch of pairs: s [P, R, KV_BLOCK] scores of query rows `rows` [P, R]."""
-            shifted = _shifted(s, m, rows)
-            p = torch.exp(shifted.clamp(min=_EXP_FLOOR))
-            if visible is not None:
-                p = p * visible
-            dp = _bmm(dO.index_select(0, rows.reshape(-1)).view(*rows.shape, d), vp.transpose(1, 2))
-            dp = dp - delta.index_select(0, rows.reshape(-1)).view(*rows.shape, 1)
-            return p * dp * (shifted >= _EXP_FLOOR), p  # no gradient where the exp's input was clamped
+            shift = _rows_of(m, rows)
+            p = tile_weights(s, shift, visible)
+            dp = tile_bmm(_rows_of(dO, rows), v.transpose(1, 2)) - _rows_of(delta, rows).unsqueeze(-1)
+            live = (s - shift.unsqueeze(-1)) >= _EXP_FLOOR  # no gradient where the exp's input was clamped
+            return p * dp * live, p
 
         dq_parts, dk_parts, dv_parts, sent = [], [], [], []
         for step, src, (kblocks, vblocks) in _ring([_blocks(kpool, plan), _blocks(vpool, plan)], plan, group):
@@ -632,13 +631,12 @@ class _BranchAttention(torch.autograd.Function):
             if pairs.n:
                 rows = plan.full_rows(pairs)
                 kp, vp = _pair_keys(kblocks, pairs), _pair_keys(vblocks, pairs)
-                qg = Q.index_select(0, rows.reshape(-1)).view(pairs.n, plan.rows_g, d)
-                s = _bmm(qg.view(-1, plan.R, d), _tiles(kp.transpose(1, 2), tiles))
+                qg = _rows_of(Q, rows)
+                s = tile_scores(qg.view(-1, plan.R, d), _key_tiles(kp, plan))
                 ds, p = grads(s, rows.view(-1, plan.R), _tiles(vp, tiles))
                 ds, p = ds.view(pairs.n, plan.rows_g, KV_BLOCK), p.view(pairs.n, plan.rows_g, KV_BLOCK)
-                dq_parts.append((_bmm(ds, kp), rows, plan.row_key_full(pairs)))
-                dog = dO.index_select(0, rows.reshape(-1)).view(pairs.n, plan.rows_g, d)
-                dkv = torch.stack([_bmm(ds.transpose(1, 2), qg), _bmm(p.transpose(1, 2), dog)], 1)
+                dq_parts.append((tile_bmm(ds, kp), rows, plan.row_key_full(pairs)))
+                dkv = torch.stack([tile_bmm(ds.transpose(1, 2), qg), tile_bmm(p.transpose(1, 2), _rows_of(dO, rows))], 1)
                 if src == plan.rank:
                     dk_parts.append((dkv[:, 0], plan.key_rows(pairs), plan.key_key_full(pairs)))
                     dv_parts.append((dkv[:, 1], plan.key_rows(pairs), plan.key_key_full(pairs)))
@@ -655,17 +653,13 @@ class _BranchAttention(torch.autograd.Function):
             work.wait()
 
         for t in plan.tails:
-            kt = kpool.index_select(0, t.keys.reshape(-1)).view(-1, KV_BLOCK, d)
-            vt = vpool.index_select(0, t.keys.reshape(-1)).view(-1, KV_BLOCK, d)
-            q_tail = Q.index_select(0, t.rows.reshape(-1)).view(-1, t.R, d)
+            kt, vt, q_tail = _rows_of(kpool, t.keys), _rows_of(vpool, t.keys), _rows_of(Q, t.rows)
             visible, bias = t.masks()
-            s_tail = _bmm(q_tail, kt.transpose(1, 2).contiguous()) + bias
-            ds, p = grads(s_tail, t.dest, vt, visible)
-            dq_parts.append((_bmm(ds, kt), t.dest, plan.row_key_tail(t)))
+            ds, p = grads(tile_scores(q_tail, kt, bias), t.dest, vt, visible)
+            dq_parts.append((tile_bmm(ds, kt), t.dest, plan.row_key_tail(t)))
             key_key = plan.key_key_tail(t)
-            dk_parts.append((_bmm(ds.transpose(1, 2), q_tail), t.keys, key_key))
-            do_tail = dO.index_select(0, t.dest.reshape(-1)).view(-1, t.R, d)
-            dv_parts.append((_bmm(p.transpose(1, 2), do_tail), t.keys, key_key))
+            dk_parts.append((tile_bmm(ds.transpose(1, 2), q_tail), t.keys, key_key))
+            dv_parts.append((tile_bmm(p.transpose(1, 2), _rows_of(dO, t.dest)), t.keys, key_key))
 
         dq = _unrows(_ordered_sum(plan.n_rows + 1, dq_parts) * ctx.scale, plan, ctx.dtypes[0])
         dk, dkb = _unpool(_ordered_sum(plan.pool_rows + 1, dk_parts), plan, ctx.dtypes[1])
