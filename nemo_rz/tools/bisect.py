@@ -10,14 +10,15 @@ purpose, to see the tool find them.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 
 import torch
 
 from nemo_rz import ops
-from nemo_rz.tools.common import fail, load_model, random_prompts
+from nemo_rz.errors import ArgumentParser
+from nemo_rz.tools.common import (SEED_MAX, check_range, fail, forward_bytes_per_token, human_bytes, usable_memory,
+                                  kv_bytes_per_token, load_model, random_prompts, traced_bytes_per_token)
 
 TRACED = ("embedding", "linear", "rms_norm", "rope", "silu_and_mul", "attention", "log_softmax", "token_logprobs")
 
@@ -107,8 +108,30 @@ def bisect(model, sequence: list[int], prompt_len: int, batch: list[list[int]], 
     return None, compared
 
 
+def check_sizes(model, prompt_len: int, new_tokens: int, batch: int) -> None:
+    """fail() unless the sequence fits the model's positions and the traced learner batch the machine's
+    memory, before anything is allocated."""
+    cfg = model.config
+    positions = cfg.max_position_embeddings
+    check_range("--prompt-len", prompt_len, 1, positions - 1, f"the prompt plus at least one new token must fit the "
+                f"model's {positions} positions")
+    check_range("--new-tokens", new_tokens, 1, positions - prompt_len, f"--prompt-len {prompt_len} plus the new "
+                f"tokens must fit the model's {positions} positions")
+    length = min(prompt_len + new_tokens + 4, positions)  # the learner batch's longest sequence
+    per_seq = length * (traced_bytes_per_token(cfg) + forward_bytes_per_token(cfg, length)) \
+        + (length + ops.KV_BLOCK) * kv_bytes_per_token(cfg)
+    avail = usable_memory()
+    most = avail // per_seq - 1  # the decoded sequence is in the learner's batch too
+    memory = (f"the learner traces every op output of {batch + 1} sequences of up to {length} tokens, "
+              f"~{human_bytes(per_seq)} each, and {human_bytes(avail)} is usable (80% of the available memory)")
+    if most < 0:
+        fail(f"--prompt-len {prompt_len} --new-tokens {new_tokens}: not even one sequence fits ({memory}); "
+             "choose a shorter prompt or fewer new tokens")
+    check_range("--batch", batch, 0, most, memory if batch > most else "")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nemo_rz.tools.bisect", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m nemo_rz.tools.bisect", description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="Hugging Face checkpoint directory or .gguf file (default: a tiny random model)")
     ap.add_argument("--mode", choices=ops.MODES, default=ops.get_mode())
     ap.add_argument("--force-fast", nargs="*", default=[], metavar="OP", help=f"ops to run in fast mode: {', '.join(TRACED)}")
@@ -116,19 +139,34 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=7, help="other sequences in the learner's batch")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+    except ValueError as e:
+        fail(str(e))
     unknown = sorted(set(args.force_fast) - set(TRACED))
     if unknown:
         fail(f"--force-fast {unknown[0]!r} is not an op; choose from {', '.join(TRACED)}")
+    # the bounds that do not need the model, before loading it
+    if args.prompt_len < 1:
+        fail(f"--prompt-len {args.prompt_len}: must be >= 1 (and fit the model's positions)")
+    if args.new_tokens < 1:
+        fail(f"--new-tokens {args.new_tokens}: must be >= 1 (and fit the model's positions): with none, nothing is compared")
+    if args.batch < 0:
+        fail(f"--batch {args.batch}: must be >= 0 (and fit the memory)")
+    check_range("--seed", args.seed, 0, SEED_MAX - 1)
     try:
         model = load_model(args.model, args.seed)
     except ValueError as e:
         fail(str(e))
+    check_sizes(model, args.prompt_len, args.new_tokens, args.batch)
     vocab, total = model.config.vocab_size, args.prompt_len + args.new_tokens
     sequence = random_prompts(1, vocab, total, total, args.seed)[0]
-    batch = random_prompts(args.batch, vocab, 2, total + 4, args.seed + 1)
-    with ops.mode(args.mode):
-        found, compared = bisect(model, sequence, args.prompt_len, batch, args.force_fast)
+    batch = random_prompts(args.batch, vocab, 2, min(total + 4, model.config.max_position_embeddings), args.seed + 1)
+    try:
+        with ops.mode(args.mode):
+            found, compared = bisect(model, sequence, args.prompt_len, batch, args.force_fast)
+    except ValueError as e:
+        fail(str(e))
     forced = f", forced fast: {', '.join(args.force_fast)}" if args.force_fast else ""
     print(f"mode={args.mode}{forced}: compared {compared} op outputs over {args.new_tokens} decoded positions")
     print(found if found else "no op differs: decode path and learner forward agree bit for bit")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import torch
 
@@ -18,7 +17,8 @@ from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.errors import ArgumentParser
 from nemo_rz.generation.packing import pack
 from nemo_rz.metrics import mismatch_metrics
-from nemo_rz.tools.common import fail, load_model, random_prompts
+from nemo_rz.tools.common import (SEED_MAX, check_range, fail, forward_bytes_per_token, human_bytes, usable_memory,
+                                  kv_bytes_per_token, load_model, random_prompts, regular_file_problem)
 
 
 def check(model, batch_sizes, max_new_tokens=32, prompt_len=(4, 24), temperature=1.0, seed=0) -> list[dict]:
@@ -35,6 +35,35 @@ def check(model, batch_sizes, max_new_tokens=32, prompt_len=(4, 24), temperature
     return rows
 
 
+PROMPT_LEN = (4, 24)  # the random prompts' lengths
+
+
+def check_sizes(model, batch_sizes: list[int], max_new_tokens: int) -> None:
+    """fail() unless the largest batch fits the machine's memory and the new tokens the model's positions,
+    before anything is allocated."""
+    cfg = model.config
+    positions = RolloutEngine(model, max_batch_size=1).max_model_len  # the engine's limit (no cache is made yet)
+    room = positions - PROMPT_LEN[1]
+    if room < 1:
+        fail(f"the model's {positions} positions cannot hold check_mismatch's prompts of up to {PROMPT_LEN[1]} tokens "
+             "plus a new token; use a model with more max_position_embeddings")
+    check_range("--max-new-tokens", max_new_tokens, 1, room,
+                f"a prompt of up to {PROMPT_LEN[1]} tokens plus the new tokens must fit the engine's {positions} positions")
+    cache_len = positions + (-positions) % ops.KV_BLOCK
+    length = PROMPT_LEN[1] + max_new_tokens
+    per_seq = cache_len * kv_bytes_per_token(cfg) + length * forward_bytes_per_token(cfg, length)
+    avail = usable_memory()
+    most = avail // per_seq
+    memory = (f"a sequence of {length} tokens needs ~{human_bytes(per_seq)} of KV cache and activations, "
+              f"{human_bytes(avail)} is usable (80% of the available memory)")
+    if most < 1:
+        fail(f"--max-new-tokens {max_new_tokens}: not even one sequence fits ({memory}); lower --max-new-tokens")
+    largest = max(batch_sizes)
+    if largest > most:
+        fail(f"--batch-sizes {largest}: every batch size must be in 1..{most} on this machine ({memory}); "
+             "choose smaller batch sizes")
+
+
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m nemo_rz.tools.check_mismatch", description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="Hugging Face checkpoint directory or .gguf file (default: a tiny random model)")
@@ -43,32 +72,38 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="check_mismatch.json", help="where to write the JSON report")
+    ap.add_argument("--out", default="check_mismatch.json", help="where to write the JSON report (a regular file)")
     try:
         args = ap.parse_args(argv)
     except ValueError as e:
         fail(str(e))
     if any(b < 1 for b in args.batch_sizes):
-        fail(f"--batch-sizes {args.batch_sizes}: every batch size must be >= 1")
+        fail(f"--batch-sizes {' '.join(map(str, args.batch_sizes))}: every batch size must be >= 1 (and fit the memory)")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         fail(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy)")
     if args.max_new_tokens < 1:
-        fail(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    folder = os.path.dirname(os.path.abspath(args.out))
-    problem = ("it is a directory" if os.path.isdir(args.out) else f"no folder {folder}" if not os.path.isdir(folder)
-               else f"{folder} is not writable" if not os.access(folder, os.W_OK) else None)
+        fail(f"--max-new-tokens {args.max_new_tokens}: must be >= 1 (and fit the model's positions)")
+    check_range("--seed", args.seed, 0, SEED_MAX)
+    problem = regular_file_problem(args.out)
     if problem:  # checked before the work, which an unwritable --out would waste
-        fail(f"--out {args.out}: cannot write there ({problem}); choose a writable path")
+        fail(f"--out {args.out}: cannot write there ({problem}); choose a writable path of a regular file")
     try:
         model = load_model(args.model, args.seed)
     except ValueError as e:
         fail(str(e))
-    with ops.mode(args.mode):
-        rows = check(model, args.batch_sizes, args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    check_sizes(model, args.batch_sizes, args.max_new_tokens)
+    try:
+        with ops.mode(args.mode):
+            rows = check(model, args.batch_sizes, args.max_new_tokens, PROMPT_LEN, temperature=args.temperature, seed=args.seed)
+    except ValueError as e:
+        fail(str(e))
     print(f"mode={args.mode}  model={args.model or 'tiny random'}")
     print(f"{'batch':>6} {'tokens':>8} {'differ':>8} {'max|diff|':>11} {'k3':>11}")
     for r in rows:
         print(f"{r['batch_size']:>6} {r['tokens']:>8} {r['diff_tokens']:>8} {r['max_abs_diff']:>11.3e} {r['k3']:>11.3e}")
+    problem = regular_file_problem(args.out)  # again: the path may have changed during the run
+    if problem:
+        fail(f"--out {args.out}: cannot write there ({problem}); nothing was written, choose a writable path of a regular file")
     try:
         atomic.write_text(args.out, json.dumps(dict(mode=args.mode, model=args.model, rows=rows), indent=2))
     except OSError as e:

@@ -9,12 +9,12 @@ written beside OUT_DIR and renamed into place when complete; an existing OUT_DIR
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 
 from nemo_rz import atomic
+from nemo_rz.errors import ArgumentParser
 from nemo_rz.tools.common import fail
 
 # GGUF general.architecture -> the Hugging Face architecture written to config.json
@@ -47,11 +47,14 @@ def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nemo_rz.tools.convert", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m nemo_rz.tools.convert", description=__doc__.split("\n")[0])
     ap.add_argument("gguf", help="the .gguf file (Llama, Qwen2 or Qwen3 family)")
     ap.add_argument("out", help="the checkpoint directory to create")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+    except ValueError as e:
+        fail(str(e))
     try:
         out = convert(args.gguf, args.out, args.dtype)
     except ValueError as e:
