@@ -240,8 +240,27 @@ BREAKAGES = {
         ["cannot read", "corrupt or truncated"],
     ),
     "missing tensors": (
+        lambda p: _edit_tensors(p, lambda t: [t.pop(k) for k in list(t) if k.startswith("model.layers.1.")
+                                              and not k.endswith("input_layernorm.weight")]),
+        ["10 tensor(s) missing", "model.layers.1.", "(+7 more)"],
+    ),
+    "missing layer": (
         lambda p: _edit_tensors(p, lambda t: [t.pop(k) for k in list(t) if k.startswith("model.layers.1.")]),
-        ["11 tensor(s) missing", "model.layers.1.", "(+8 more)"],
+        ["num_hidden_layers=2 in", "config.json is more than the weights hold", "tensors of 1 layer(s) (model.layers.0 to "
+         "model.layers.0)"],
+    ),
+    "layers beyond the tensors": (  # refused from the tensor names, before a 10^8-layer model is built
+        lambda p: _edit_config(p, num_hidden_layers=100_000_000),
+        ["num_hidden_layers=100000000 in", "tensors of 2 layer(s) (model.layers.0 to model.layers.1)", "fix config.json"],
+    ),
+    "layers beyond the tensors, sliding": (  # config_from_hf's per-layer lists are not built either
+        lambda p: _edit_config(p, num_hidden_layers=10**15, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+        ["num_hidden_layers=1000000000000000 in"],
+    ),
+    "no layer tensors": (
+        lambda p: _edit_tensors(p, lambda t: [t.update({k.replace("model.layers.", "model.blocks."): t.pop(k)})
+                                              for k in list(t) if k.startswith("model.layers.")]),
+        ["num_hidden_layers=2 in", "has no model.layers.N tensors"],
     ),
     "extra tensors": (
         lambda p: _edit_tensors(p, lambda t: t.update({"model.layers.2.mlp.up_proj.weight": torch.zeros(2, 2)})),
@@ -266,6 +285,24 @@ def test_bad_files_raise_one_clear_line(case, ckpt):
     assert str(ckpt) in message
     for fragment in fragments:
         assert fragment in message, (fragment, message)
+
+
+@pytest.mark.parametrize("moe_kind, key", [("qwen3", "num_experts"), ("gpt_oss", "num_local_experts")])
+def test_expert_count_beyond_the_tensors_is_refused_before_building(moe_kind, key, tmp_path):
+    """A MoE config.json asking for 10^8 experts is refused from the tensor shapes (the router's rows, the
+    stacked or per-expert weights) in one line, before the model (or the per-expert name list) is built."""
+    extra = dict(attention_sinks=True, norm="rms_f32", qk_norm=False, attention_bias=True, o_proj_bias=True,
+                 sliding_window=8, layer_types=["sliding_attention", "full_attention"]) if moe_kind == "gpt_oss" else {}
+    model = _nemo_model(3, num_experts=4, num_experts_per_tok=2, intermediate_size=32, moe_intermediate_size=32,
+                        moe_kind=moe_kind, **extra)
+    path = save_hf(model, tmp_path / "ckpt")
+    assert load_hf(path).config.num_experts == 4
+    _edit_config(path, **{key: 100_000_000})
+    with pytest.raises(ModelFileError) as info:
+        load_hf(path)
+    message = str(info.value)
+    assert f"{key}=100000000 in {path / 'config.json'} is more than the weights hold" in message
+    assert "tensors of 4 expert(s) per layer" in message and "\n" not in message
 
 
 def test_tied_checkpoint_with_redundant_head_and_old_rope_buffers(ckpt):

@@ -161,16 +161,66 @@ def _open(file: Path):
         ) from None
 
 
-def _found(files: list[Path], cfg: DecoderConfig) -> dict[str, tuple[Path, tuple, str]]:
-    """{tensor name: (file, shape, safetensors dtype)} of every tensor the model could use, first file wins."""
+def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple, str]]:
+    """{tensor name: (file, shape, safetensors dtype)} of every tensor in the files' headers, first file wins;
+    the weights themselves are not read."""
     found = {}
     for file in files:
         with _open(file) as f:
             for name in f.keys():
-                if not ignored_tensor(name, cfg) and name not in found:
+                if name not in found:
                     sl = f.get_slice(name)
                     found[name] = (file, tuple(sl.get_shape()), sl.get_dtype())
     return found
+
+
+def _found(files: list[Path], cfg: DecoderConfig, headers: dict | None = None) -> dict[str, tuple[Path, tuple, str]]:
+    """{tensor name: (file, shape, safetensors dtype)} of every tensor the model could use, first file wins."""
+    headers = _headers(files) if headers is None else headers
+    return {name: entry for name, entry in headers.items() if not ignored_tensor(name, cfg)}
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_ROUTER = re.compile(r"^model\.layers\.\d+\.mlp\.(gate|router)\.weight$")
+_EXPERT_INDEX = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+_STACKED_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_blocks)?$")
+_MOE_KEYS = {"Qwen3MoeForCausalLM": ("num_experts", "num_local_experts"), "GptOssForCausalLM": ("num_local_experts",)}
+
+
+def _count(d: dict, key: str) -> int | None:
+    value = d.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def check_counts(d: dict, source: str, headers: dict[str, tuple[Path, tuple, str]], where: str, arch: str) -> None:
+    """Refuse a config.json that asks for more layers or experts than the checkpoint's tensors hold, from the
+    tensor names and shapes alone, before anything is built: a model of num_hidden_layers = 100000000 would take
+    hours to build and fail only then. (Fewer is left to the full check, which names the unexpected tensors.)"""
+    layers = _count(d, "num_hidden_layers")
+    if layers is not None:
+        indices = {int(m.group(1)) for name in headers if (m := _LAYER.match(name))}
+        found = max(indices) + 1 if indices else 0
+        if layers > found:
+            held = f"tensors of {found} layer(s) (model.layers.0 to model.layers.{found - 1})" if found else \
+                "no model.layers.N tensors"
+            raise ModelFileError(
+                f"num_hidden_layers={layers} in {source} is more than the weights hold: {where} has {held}; "
+                "fix config.json or re-download the weights"
+            )
+    for key in _MOE_KEYS.get(arch, ()):
+        experts = _count(d, key)
+        if experts is None:
+            continue
+        sizes = {shape[0] for name, (_, shape, _) in headers.items() if _ROUTER.match(name) and shape}
+        sizes |= {shape[0] for name, (_, shape, _) in headers.items() if _STACKED_EXPERTS.match(name) and shape}
+        sizes |= {int(m.group(1)) + 1 for name in headers if (m := _EXPERT_INDEX.match(name))}
+        found = max(sizes) if sizes else None
+        if found is not None and experts > found:
+            raise ModelFileError(
+                f"{key}={experts} in {source} is more than the weights hold: {where} has tensors of {found} expert(s) "
+                "per layer; fix config.json or re-download the weights"
+            )
+        break  # the first key present is the one config_from_hf reads
 
 
 def _check(found: dict[str, tuple[tuple, str]], expected: dict[str, tuple], where: str, arch: str, cfg: DecoderConfig) -> None:
@@ -218,13 +268,19 @@ def _owned(t: torch.Tensor, cfg: DecoderConfig) -> torch.Tensor:
     return t.to(cfg.torch_dtype).clone(memory_format=torch.contiguous_format)
 
 
-def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: dict | None = None) -> dict[str, torch.Tensor]:
+def _where(files: list[Path]) -> str:
+    return str(files[0]) if len(files) == 1 else f"{files[0].parent} ({len(files)} shards)"
+
+
+def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: dict | None = None,
+                  headers: dict | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under the model's parameter names, checked; a quantized checkpoint's weights
-    (`quantization`: config.json's quantization_config) decoded exactly to float first."""
+    (`quantization`: config.json's quantization_config) decoded exactly to float first. `headers`: the files'
+    _headers(), when already read."""
     cfg = model.config
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    found = _found(files, cfg)
-    where = files[0] if len(files) == 1 else f"{files[0].parent} ({len(files)} shards)"
+    found = _found(files, cfg, headers)
+    where = _where(files)
     if quantization:
         from nemo_rz.quant.checkpoints import dequantized
 
@@ -272,12 +328,21 @@ def load_hf(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> 
             "save_pretrained() or nemo_rz.models.save_hf()"
         )
     d = _read_json(config_file)
-    cfg = config_from_hf(d, str(config_file), dtype)
+    if not isinstance(d, dict):
+        config_from_hf(d, str(config_file), dtype)  # raises: not a JSON object
     arch = architecture_of(d, str(config_file))
-    files = _weight_files(root)
+    try:
+        files = _weight_files(root)
+    except ModelFileError:
+        config_from_hf(d, str(config_file), dtype)  # a bad config.json is the first thing to fix
+        raise
+    headers = _headers(files)
+    # before config_from_hf, whose per-layer lists are as long as num_hidden_layers, and before building
+    check_counts(d, str(config_file), headers, _where(files), arch)
+    cfg = config_from_hf(d, str(config_file), dtype)
     with torch.device("meta"):  # no throw-away random init; the loaded tensors become the parameters
         model = Decoder(cfg)
-    state = _load_tensors(files, model, arch, d.get("quantization_config"))
+    state = _load_tensors(files, model, arch, d.get("quantization_config"), headers)
     model.load_state_dict(state, strict=True, assign=True)  # strict: every parameter replaced (Decoder has no buffers)
     return model.eval()
 
