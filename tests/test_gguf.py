@@ -99,6 +99,39 @@ def test_refusals_are_one_line(tiny_gguf, tmp_path, capsys, monkeypatch):
         load_hf(tiny_gguf)
 
 
+GGUF_SIZES = {  # metadata writer -> the value written instead, the one line it gets
+    "block count beyond the tensors": ("add_block_count", 100_000_000, "metadata llama.block_count=100000000 in",
+                                       "(blk.0 to blk.1: 2 blocks)"),
+    "block count below the tensors": ("add_block_count", 1, "metadata llama.block_count=1 in", "2 blocks"),
+    "embedding length": ("add_embedding_length", 1_000_000_000, "metadata llama.embedding_length=1000000000",
+                         "token_embd.weight rows of 64"),
+    "feed-forward length": ("add_feed_forward_length", 1_000_000_000, "metadata llama.feed_forward_length=1000000000",
+                            "blk.0.ffn_gate.weight has 128 rows"),
+    "head count": ("add_head_count", 100_000_000, "metadata llama.attention.head_count=100000000", "attn_q"),
+    "kv head count": ("add_head_count_kv", 3, "metadata llama.attention.head_count_kv=3", "blk.0.attn_k.weight has 32 rows"),
+    "vocab size": ("add_vocab_size", 1_000_000_000, "metadata llama.vocab_size=1000000000", "320 token rows"),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_SIZES))
+def test_metadata_sizes_are_checked_against_the_tensors_before_building(case, tmp_path, capsys, monkeypatch):
+    """A GGUF whose metadata asks for sizes its tensors do not have is refused in one line from the header,
+    before transformers builds a model of that size (block_count = 10^8 would take hours)."""
+    import gguf
+
+    writer, value, message, tensors = GGUF_SIZES[case]
+    original = getattr(gguf.GGUFWriter, writer)
+    with monkeypatch.context() as m:
+        m.setattr(gguf.GGUFWriter, writer, lambda self, _: original(self, value))
+        bad = llama_gguf(tmp_path / "bad.gguf", bpe_tokenizer())
+    with pytest.raises(ValueError) as info:
+        load_hf(bad)
+    assert message in str(info.value) and tensors in str(info.value) and str(bad) in str(info.value)
+    assert "does not match its tensors" in str(info.value) and "\n" not in str(info.value)
+    err = _cli(capsys, [str(bad), str(tmp_path / "out")])
+    assert message in err and not (tmp_path / "out").exists()
+
+
 def test_check_mismatch_on_gguf(tiny_gguf, tmp_path, capsys):
     out = tmp_path / "report.json"
     assert check_mismatch.main(["--model", str(tiny_gguf), "--batch-sizes", "1", "4", "--max-new-tokens", "8",

@@ -8,6 +8,7 @@ from the file's metadata first, so an unsupported model is refused before the (s
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -24,8 +25,7 @@ def is_gguf(path: str | os.PathLike) -> bool:
     return str(path).lower().endswith(".gguf")
 
 
-def metadata(path: str | os.PathLike, keys: tuple[str, ...]) -> dict:
-    """The values of `keys` (those present) in a GGUF file's metadata; the tensors are not read."""
+def _reader(path: str | os.PathLike):
     require(GGUF, f"reading {path}", "hf")
     import gguf
 
@@ -33,27 +33,97 @@ def metadata(path: str | os.PathLike, keys: tuple[str, ...]) -> dict:
     if not file.is_file():
         raise ModelFileError(f"GGUF file {file} does not exist; pass the path of a .gguf file or a checkpoint directory")
     try:
-        reader = gguf.GGUFReader(str(file))
+        return gguf.GGUFReader(str(file))
     except Exception as e:  # the reader raises ValueError/struct errors/... on a damaged file
         raise ModelFileError(f"cannot read {file} as GGUF ({type(e).__name__}: {e}); re-download the file") from None
+
+
+def metadata(path: str | os.PathLike, keys: tuple[str, ...]) -> dict:
+    """The values of `keys` (those present) in a GGUF file's metadata; the tensors are not read."""
+    reader = _reader(path)
     return {k: reader.fields[k].contents() for k in keys if k in reader.fields}
 
 
-def check_architecture(path: str | os.PathLike) -> str:
-    arch = metadata(path, ("general.architecture",)).get("general.architecture")
+def _architecture(arch, path) -> str:
     if arch not in ARCHITECTURES:
         raise ModelFileError(f"unsupported GGUF architecture {arch!r} in {path}: nemo_rz loads {', '.join(ARCHITECTURES)}; "
                              "use a GGUF of one of these families")
     return arch
 
 
+def check_architecture(path: str | os.PathLike) -> str:
+    return _architecture(metadata(path, ("general.architecture",)).get("general.architecture"), path)
+
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def check_file(path: str | os.PathLike) -> str:
+    """The file's architecture, after checking the sizes its metadata gives (block count, embedding and
+    feed-forward lengths, head counts, vocabulary) against its tensors' names and shapes, without reading the
+    weights: transformers builds the model from the metadata, so block_count = 100000000 would take hours to
+    build before any tensor is compared."""
+    reader = _reader(path)
+    field = lambda key: reader.fields[key].contents() if key in reader.fields else None  # noqa: E731
+    arch = _architecture(field("general.architecture"), path)
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}  # GGUF order: ne[0] (the row length) first
+
+    def size(key: str, required: bool = True) -> int | None:
+        value = field(f"{arch}.{key}")
+        if value is None and not required:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelFileError(f"metadata {arch}.{key} in {path} is {value!r}: expected a positive integer; "
+                                 "the file is damaged or not a llama.cpp model, re-download it")
+        return value
+
+    def refuse(key: str, value, tensors: str) -> None:
+        raise ModelFileError(f"metadata {arch}.{key}={value} in {path} does not match its tensors ({tensors}); the "
+                             "file is damaged or inconsistent, re-download or re-convert it")
+
+    blocks = size("block_count")
+    found = {int(m.group(1)) for name in shapes if (m := _BLOCK.match(name))}
+    held = max(found) + 1 if found else 0
+    if blocks != held:
+        refuse("block_count", blocks, f"blk.0 to blk.{held - 1}: {held} blocks" if held else "no blk.N tensors")
+    embed = shapes.get("token_embd.weight")
+    if embed is None or len(embed) != 2:
+        raise ModelFileError(f"{path} has no 2-d token_embd.weight tensor; the file is damaged or not a llama.cpp model")
+    hidden = size("embedding_length")
+    if hidden != embed[0]:
+        refuse("embedding_length", hidden, f"token_embd.weight rows of {embed[0]}")
+    vocab = size("vocab_size", required=False)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    n_tokens = len(tokens.data) if tokens is not None else None
+    if vocab is not None and vocab != embed[1]:
+        refuse("vocab_size", vocab, f"token_embd.weight has {embed[1]} token rows")
+    if vocab is None and n_tokens is not None and n_tokens != embed[1]:
+        raise ModelFileError(f"metadata tokenizer.ggml.tokens in {path} lists {n_tokens} tokens but token_embd.weight "
+                             f"has {embed[1]} rows; the file is damaged or inconsistent, re-download or re-convert it")
+    ffn = size("feed_forward_length")
+    gate = shapes.get("blk.0.ffn_gate.weight") or shapes.get("blk.0.ffn_up.weight")
+    if gate is not None and len(gate) == 2 and ffn != gate[1]:
+        refuse("feed_forward_length", ffn, f"blk.0.ffn_gate.weight has {gate[1]} rows")
+    heads, kv_heads = size("attention.head_count"), size("attention.head_count_kv", required=False)
+    head_dim = size("attention.key_length", required=False) or hidden // heads
+    for key, count, name in (("attention.head_count", heads, "attn_q"), ("attention.head_count_kv", kv_heads, "attn_k")):
+        shape = shapes.get(f"blk.0.{name}.weight")
+        if count is not None and shape is not None and len(shape) == 2 and count * head_dim != shape[1]:
+            refuse(key, count, f"blk.0.{name}.weight has {shape[1]} rows, {shape[1] // max(head_dim, 1)} heads of {head_dim}")
+    return arch
+
+
 def load_transformers(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     """transformers' model for a GGUF file, dequantized to `dtype` and marked unquantized (so it can be saved)."""
-    check_architecture(path)
+    check_file(path)
     from transformers import AutoModelForCausalLM
 
     file = Path(path)
-    model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=dtype)
+    except Exception as e:  # transformers' own checks of the file (shapes, tensor types, ...)
+        raise ModelFileError(f"cannot load {file} through transformers ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:300]}); the file is damaged or a variant nemo_rz does not read") from None
     model.hf_quantizer = None  # the weights are plain tensors now; save_pretrained refuses a "quantized" model
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -22,7 +22,7 @@ HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qw
 
 
 def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "float32") -> Path:
-    from nemo_rz.models.gguf import check_architecture, load_gguf
+    from nemo_rz.models.gguf import check_file, load_gguf
     from nemo_rz.models.hf import save_hf
     from nemo_rz.tasks import HFTokenizer
 
@@ -31,7 +31,7 @@ def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
         raise ValueError(f"{src}: not a .gguf file; pass the GGUF file to convert")
     if out.exists():
         raise ValueError(f"{out} already exists; choose a new output directory (nothing was written)")
-    arch = HF_ARCHITECTURE[check_architecture(src)]  # refuses other families before the slow dequantization
+    arch = HF_ARCHITECTURE[check_file(src)]  # refuses other families and inconsistent sizes before the slow work
     tokenizer = HFTokenizer.from_pretrained(src)
     model = load_gguf(src, dtype)
     with atomic.new_dir(out) as ckpt:
