@@ -3,10 +3,19 @@
 load() merges them, checks every key against nemo_rz.schema, and for resume=RUN starts from the run's own
 config.yaml: a change that the checkpoint cannot honour (model shape, task, seed, max_lag...) is refused,
 any other change is applied and reported. Nothing is written here.
+
+Files are read only when they are regular files of at most MAX_CONFIG_BYTES (never /dev/zero, a FIFO...), as
+YAML whose aliases expand to at most MAX_YAML_NODES values. Interpolations: a --config file may refer to its own
+keys (${algo.lr}) and call the resolvers that read only the config (CONFIG_ONLY_RESOLVERS); ${oc.env:...} or
+any other resolver there is refused unless the user sets NEMO_RZ_ALLOW_CONFIG_ENV=1 (its value would be
+written, resolved, into the run's config.yaml). The command line is the user's own and may use any. A run's
+config.yaml is written resolved, so an interpolation there (an edited file) is refused.
 """
 from __future__ import annotations
 
 import difflib
+import os
+import stat
 from pathlib import Path
 
 import yaml
@@ -58,24 +67,212 @@ def preset_path(name: str) -> Path:
     return path
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few kB: anything past 1 MiB is not one
+MAX_YAML_NODES = 10_000  # values once YAML aliases are expanded (conf/default.yaml has ~100): an alias bomb stops here
+MAX_YAML_DEPTH = 32  # nesting levels (conf/default.yaml has 3)
+
+
+def open_regular(path, what: str, max_bytes: int, hint: str = "give the path of a file"):
+    """A binary file object of a regular file of at most max_bytes; anything else (missing, a directory, a device
+    such as /dev/zero, a FIFO, a socket, too large, unreadable) is one ConfigError naming it. Never blocks: a FIFO
+    is opened non-blocking, then refused."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: cannot read it ({e.strerror or e}); {hint}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("Is a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else
+                    "a socket" if stat.S_ISSOCK(st.st_mode) else
+                    "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a special file")
+            reason = kind if kind == "Is a directory" else f"{kind}, not a regular file"
+            raise ConfigError(f"{what} {path}: cannot read it ({reason}); {hint}")
+        if st.st_size > max_bytes:
+            raise ConfigError(f"{what} {path}: {st.st_size} bytes, more than the {max_bytes} allowed for it; {hint}")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path, what: str, max_bytes: int, hint: str = "give the path of a file") -> bytes:
+    """The bytes of a regular file of at most max_bytes (open_regular)."""
+    with open_regular(path, what, max_bytes, hint) as f:
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as e:
+            raise ConfigError(f"{what} {path}: cannot read it ({e.strerror or e}); {hint}") from None
+    if len(data) > max_bytes:  # it grew while read
+        raise ConfigError(f"{what} {path}: more than the {max_bytes} bytes allowed for it; {hint}")
+    return data
+
+
+def _yaml_error(e: Exception, what: str, path) -> ConfigError:
+    """One line for any YAML problem: what, the file, line and column, and what to do."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    reason = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    if context and getattr(e, "problem", None):
+        reason = f"{context}, {reason}"  # PyYAML's own order: "while parsing X", then what it found
+    reason = " ".join(str(reason).split())
+    return ConfigError(f"{what} {path}: not valid YAML ({reason}{at}); fix the file")
+
+
+def _expanded_size(node, what: str, path) -> None:
+    """Refuse a YAML document that its aliases expand past MAX_YAML_NODES values, or nests past MAX_YAML_DEPTH."""
+    sizes: dict[int, int] = {}
+
+    def size(n, depth: int) -> int:
+        if depth > MAX_YAML_DEPTH:
+            raise ConfigError(f"{what} {path}: nested deeper than {MAX_YAML_DEPTH} levels (at line "
+                              f"{n.start_mark.line + 1}); a config is a mapping of a few levels, like conf/default.yaml")
+        if id(n) in sizes:
+            if sizes[id(n)] < 0:
+                raise ConfigError(f"{what} {path}: a YAML alias refers to itself (at line {n.start_mark.line + 1}); "
+                                  "write the values out")
+            return sizes[id(n)]
+        sizes[id(n)] = -1
+        children = n.value if isinstance(n.value, list) else []
+        total = 1
+        for c in children:
+            for part in (c if isinstance(c, tuple) else (c,)):
+                total += size(part, depth + 1)
+                if total > MAX_YAML_NODES:
+                    raise ConfigError(f"{what} {path}: expands to more than {MAX_YAML_NODES} values (YAML aliases "
+                                      "repeating others, an alias bomb?); write a config of the keys in conf/default.yaml")
+        sizes[id(n)] = total
+        return total
+
+    size(node, 0)
+
+
 def read_yaml(path: Path, what: str) -> DictConfig:
-    """A YAML mapping from a file; any problem (unreadable, not YAML, not a mapping) is one ConfigError."""
+    """A YAML mapping from a regular file; any problem (unreadable, too large, not YAML, an alias bomb, not a
+    mapping) is one ConfigError naming the file (and the line, for YAML errors)."""
+    data = read_regular(path, what, MAX_CONFIG_BYTES, "give a YAML file like conf/default.yaml")
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else "not a UTF-8 text file"
-        raise ConfigError(f"{what} {path}: cannot read it ({reason})") from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path}: cannot read it (not a UTF-8 text file)") from None
     try:
-        shape = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=yaml.SafeLoader)  # the node graph: aliases are not expanded yet
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{what} {path}: not valid YAML ({getattr(e, 'problem', None) or e}{at}); fix the file") from None
-    if shape is None:
+        raise _yaml_error(e, what, path) from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path}: nested too deeply to read; a config is a mapping of a few levels, like "
+                          "conf/default.yaml") from None
+    if node is None:
         return OmegaConf.create({})
-    if not isinstance(shape, dict):
-        raise ConfigError(f"{what} {path}: expected a mapping of keys like conf/default.yaml, found a {type(shape).__name__}")
-    return OmegaConf.create(text)  # parsed again by OmegaConf's own loader (e.g. 1e-3 is a float there)
+    _expanded_size(node, what, path)
+    if not isinstance(node, yaml.MappingNode):
+        try:
+            found = type(yaml.safe_load(text)).__name__
+        except (yaml.YAMLError, RecursionError):
+            found = node.id
+        raise ConfigError(f"{what} {path}: expected a mapping of keys like conf/default.yaml, found a {found}")
+    try:
+        return OmegaConf.create(text)  # OmegaConf's own loader (e.g. 1e-3 is a float there; duplicate keys refused)
+    except yaml.YAMLError as e:
+        raise _yaml_error(e, what, path) from None
+    except OmegaConfBaseException as e:
+        reason = " ".join(str(e).split("\n")[0].split()) or type(e).__name__
+        raise ConfigError(f"{what} {path}: cannot read it as a config ({reason}); fix the file") from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path}: nested too deeply to read; fix the file") from None
+
+
+# -- interpolations ----------------------------------------------------------------------------------------------
+# ${key} refers to another key of the config: a --config file may use it. A resolver call ${name:...} may read
+# something else (oc.env the environment, a plugin's resolver anything): from a file, only the resolvers below,
+# which read the config alone, unless the user sets ALLOW_ENV=1. The command line is the user's own: anything goes.
+ALLOW_ENV = "NEMO_RZ_ALLOW_CONFIG_ENV"
+CONFIG_ONLY_RESOLVERS = ("oc.select", "oc.decode", "oc.create", "oc.deprecated", "oc.dict.keys", "oc.dict.values")
+
+
+def _strings(node, prefix=""):
+    """(dotted key, string) of every string value in plain data (interpolations unresolved)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _strings(v, f"{prefix}{k}.")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _strings(v, f"{prefix[:-1]}[{i}].")
+    elif isinstance(node, str):
+        yield prefix[:-1], node
+
+
+def _raw(layer: DictConfig) -> dict:
+    return OmegaConf.to_container(layer, resolve=False)
+
+
+def _parsed(text: str):
+    """OmegaConf's parse tree of a string value; None when it does not parse (resolving it fails later, with its
+    own message)."""
+    from omegaconf import grammar_parser
+
+    try:
+        return grammar_parser.parse(text)
+    except Exception:  # GrammarParseError, or anything antlr raises on odd text
+        return None
+
+
+def _nodes(tree):
+    stack = [tree] if tree is not None else []
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(getattr(n, "children", None) or [])
+
+
+def _resolvers(text: str) -> list[str]:
+    """The resolver names a string calls ("${...}" for a name that is itself computed)."""
+    from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as Parser
+
+    return ["${...}" if n.interpolation() else n.getText()
+            for n in _nodes(_parsed(text)) if isinstance(n, Parser.ResolverNameContext)]
+
+
+def _is_interpolation(text: str) -> bool:
+    """Whether a string holds an interpolation (an escaped \\${...} is text; one that does not parse counts)."""
+    from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as Parser
+
+    if "${" not in text:
+        return False
+    tree = _parsed(text)
+    return tree is None or any(isinstance(n, Parser.InterpolationContext) for n in _nodes(tree))
+
+
+def _allow_env() -> bool:
+    return os.environ.get(ALLOW_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def _check_file_interpolations(layer: DictConfig, where: str) -> None:
+    """A --config file may refer to its own keys (${algo.lr}) and call config-only resolvers; reading the
+    environment (${oc.env:...}) or any other resolver needs the user's ALLOW_ENV=1."""
+    if _allow_env():
+        return
+    for key, text in _strings(_raw(layer)):
+        if "${" not in text:
+            continue
+        for name in _resolvers(text):
+            if name not in CONFIG_ONLY_RESOLVERS:
+                shown = text if len(text) <= 60 else text[:57] + "..."
+                reads = "reads the environment" if name == "oc.env" else f"calls the resolver {name}, which may read outside the config"
+                raise ConfigError(f"{where}: {key} = {shown!r} {reads}; a config file may only refer to its own keys "
+                                  f"(its value would be written into the run's config.yaml): write the value, give it "
+                                  f"on the command line, or set {ALLOW_ENV}=1 to allow it")
+
+
+def _check_saved_interpolations(saved: DictConfig, where) -> None:
+    """A run's config.yaml is written resolved: an interpolation there means it was edited."""
+    for key, text in _strings(_raw(saved)):
+        if _is_interpolation(text):
+            shown = text if len(text) <= 60 else text[:57] + "..."
+            raise ConfigError(f"resume: {where}: {key} = {shown!r} is an interpolation, but a run's config.yaml is "
+                              "written with every value resolved (it was edited); write the value itself")
 
 
 def _merge(*layers) -> DictConfig:
@@ -104,6 +301,7 @@ def load(config_file: str | None = None, overrides=(), log=None) -> DictConfig:
     if config_file:
         layer = read_yaml(preset_path(config_file), "--config")
         _check_keys(layer, default, config_file)
+        _check_file_interpolations(layer, f"--config {config_file}")
         layers.append(layer)
     layers.append(_overrides(overrides, default))
     cfg = _merge(default, *layers)
@@ -120,8 +318,9 @@ def _resumed(resume: str, given_run_dir, default: DictConfig, layers: list, log)
         raise ConfigError(f"resume={resume}: {saved_path} not found; point resume at a run directory made by nemo_rz.train")
     saved = read_yaml(saved_path, "resume: run config")
     _check_keys(saved, default, str(saved_path))
+    _check_saved_interpolations(saved, saved_path)
     try:
-        before = schema.validate(_merge(default, saved))
+        before = schema.validate(_merge(default, saved), machine=False)  # this machine's limits: checked below
     except ConfigError as e:
         raise ConfigError(f"resume: {saved_path}: {e}") from None
     if given_run_dir is not None and Path(str(given_run_dir)) != run_dir:

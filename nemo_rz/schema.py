@@ -7,6 +7,11 @@ registered through nemo_rz.plugins (package metadata only, read after the plain 
 validates); the small fixed sets that code also checks (kernel modes, dtypes) are written out here, and
 tests/test_config.py checks them against the code's own tuples.
 
+Then check_sizes() holds every size against what the model (heads, KV heads, MLP features, positions), the
+other settings and this machine (usable_cpus(), available_memory(): a lower bound on the run's memory) allow,
+and task.options are checked against the task's declared options (nemo_rz.tasks.options): all before any
+process starts.
+
 A new key: add it to conf/default.yaml (with a comment) and a line to SCHEMA; tests/test_config.py checks
 that the two agree and that the defaults pass.
 """
@@ -14,7 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import json
 import math
+import os
+import re
+from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
@@ -225,8 +235,10 @@ def resolved(cfg: DictConfig) -> dict:
         raise ConfigError(f"config key {key}: cannot resolve its value ({reason})") from None
 
 
-def validate(cfg: DictConfig) -> DictConfig:
-    """Check every declared key (plain checks first, then registry-backed choices); return the config resolved."""
+def validate(cfg: DictConfig, machine: bool = True) -> DictConfig:
+    """Check every declared key (plain checks first, then registry-backed choices), then the sizes against the
+    model and each other, and against this machine's cores and memory (machine=False: not those, e.g. for a
+    saved run's config before this run's changes), then the task's options; return the config resolved."""
     plain = resolved(cfg)
     order = sorted(SCHEMA.items(), key=lambda kv: callable(kv[1].choices))
     for key, spec in order:
@@ -238,7 +250,315 @@ def validate(cfg: DictConfig) -> DictConfig:
             shown = "null" if value is None else repr(value)
             raise ConfigError(f"{key} = {shown}: expected {spec.expected()}{spec.hint(value)}")
         _assign(plain, key, spec.normalised(value))
-    return OmegaConf.create(plain)
+    check_sizes(plain, machine)
+    _check_task_options(plain)
+    return OmegaConf.create(_literal(plain))
+
+
+def _literal(node):
+    """Resolved values as OmegaConf text: a "${" that a value holds (e.g. from an escaped \\${ ) stays text, also
+    once the config is written out and read back."""
+    if isinstance(node, dict):
+        return {k: _literal(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_literal(v) for v in node]
+    if isinstance(node, str) and "${" in node:
+        return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", node)
+    return node
+
+
+def _check_task_options(plain: dict) -> None:
+    """task.options against the task's declared options (nemo_rz.tasks.options): types, ranges, names."""
+    from nemo_rz.tasks import options
+
+    task = plain["task"]
+    fn = plugins.load("task", task["name"])
+    try:
+        task["options"] = options.check(task["name"], fn, task["options"])
+    except options.OptionError as e:
+        raise ConfigError(str(e)) from None
+
+
+# -- sizes: against the model, each other and this machine ------------------------------------------------------
+GIB = 1 << 30
+CHAR_VOCAB = 46  # the character tokenizer's vocabulary (nemo_rz.tasks.tokenizer): the least a fresh model has
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask, else os.cpu_count())."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return int(f.read(64).split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process can still use: /proc/meminfo's MemAvailable (else os.sysconf's available
+    pages), lowered to what a cgroup memory limit leaves; None when unknown."""
+    avail = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None:
+        avail = min(avail, max(0, limit - used))
+    return avail
+
+
+@dataclasses.dataclass
+class Shape:
+    """What the sizes of a run depend on: the model's dimensions (a checkpoint's config.json with hf_path)."""
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv: int
+    head_dim: int
+    vocab: int
+    positions: int
+    experts: int = 0
+    topk: int = 0
+    moe_inter: int = 0
+    tied: bool = False
+    where: str = "model"  # how messages name its keys' source
+
+
+def _hf_shape(hf_path: str) -> Shape | None:
+    """A checkpoint directory's dimensions from its config.json, or None (a .gguf, unreadable, odd keys: the
+    model loader reports those, with the file)."""
+    path = Path(hf_path) / "config.json"
+    try:
+        if not path.is_file() or path.stat().st_size > 1 << 20:
+            return None
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    d = d.get("text_config", d) if isinstance(d, dict) else None
+    if not isinstance(d, dict):
+        return None
+
+    def get(key, default=None):
+        v = d.get(key, default)
+        return v if type(v) is int and v > 0 else None
+
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    if hidden is None or heads is None:
+        return None
+    experts = get("num_experts") or get("num_local_experts") or 0
+    shape = dict(hidden=hidden, inter=get("intermediate_size"), layers=get("num_hidden_layers"), heads=heads,
+                 kv=get("num_key_value_heads", heads), head_dim=get("head_dim", hidden // heads), vocab=get("vocab_size"),
+                 positions=get("max_position_embeddings"))
+    if any(v is None for v in shape.values()):
+        return None
+    return Shape(**shape, experts=experts, topk=get("num_experts_per_tok") or 0,
+                 moe_inter=get("moe_intermediate_size") or shape["inter"], tied=bool(d.get("tie_word_embeddings")),
+                 where=f"{path}")
+
+
+def model_shape(plain: dict) -> Shape | None:
+    m = plain["model"]
+    if m["hf_path"] is not None:
+        return _hf_shape(str(m["hf_path"]))
+    heads = m["num_heads"]
+    return Shape(hidden=m["hidden_size"], inter=m["intermediate_size"], layers=m["num_layers"], heads=heads,
+                 kv=m["num_kv_heads"], head_dim=m["hidden_size"] // heads, vocab=CHAR_VOCAB,
+                 positions=m["max_position_embeddings"], experts=m["num_experts"], topk=m["num_experts_per_tok"],
+                 moe_inter=m["moe_intermediate_size"] or m["intermediate_size"])
+
+
+def _divisors(n: int) -> str:
+    found = [d for d in range(1, min(n, 64) + 1) if n % d == 0]
+    return ", ".join(map(str, found)) + (", ..." if n > 64 else "")
+
+
+def _check_model(plain: dict) -> None:
+    """A fresh model's dimensions fit each other (DecoderConfig checks the same, later, as a last resort)."""
+    m = plain["model"]
+    if m["hf_path"] is not None:
+        return
+    heads, kv, hidden = m["num_heads"], m["num_kv_heads"], m["hidden_size"]
+    if heads % kv:
+        raise ConfigError(f"model.num_kv_heads = {kv}: num_heads={heads} is not a multiple of num_kv_heads={kv}; "
+                          f"choose num_kv_heads dividing num_heads (one of {_divisors(heads)})")
+    head_dim = hidden // heads
+    if head_dim < 2 or head_dim % 2:
+        fits = [h for h in range(1, min(hidden, 4096) + 1) if (hidden // h) >= 2 and (hidden // h) % 2 == 0]
+        most = f"; at most {max(fits)} heads for hidden_size {hidden}" if fits else ""
+        raise ConfigError(f"model.num_heads = {heads}: head_dim = hidden_size // num_heads = {hidden} // {heads} = "
+                          f"{head_dim}, but RoPE needs an even head_dim >= 2{most}")
+    if m["num_experts"] and m["num_experts_per_tok"] > m["num_experts"]:
+        raise ConfigError(f"model.num_experts_per_tok = {m['num_experts_per_tok']}: more than model.num_experts = "
+                          f"{m['num_experts']}; route each token to at most num_experts experts")
+
+
+def _check_settings(plain: dict, shape: Shape | None) -> None:
+    """Sizes against the model and each other."""
+    a, meg = plain["algo"], plain["megatron"]
+    if shape is not None and a["max_new_tokens"] >= shape.positions:
+        source = "model.max_position_embeddings" if shape.where == "model" else f"max_position_embeddings of {shape.where}"
+        raise ConfigError(f"algo.max_new_tokens = {a['max_new_tokens']}: leaves no room for a prompt in the model's "
+                          f"{shape.positions} positions ({source}); at most {shape.positions - 1}")
+    if plain["runtime"]["learner"] != "megatron":
+        return
+    tp, dp, shares = meg["tp"], meg["dp"], meg["grad_shares"]
+    if shape is not None:
+        split = {"num_heads": shape.heads, "num_kv_heads": shape.kv, "intermediate_size": shape.inter}
+        bad = {k: v for k, v in split.items() if v % tp}
+        if bad:
+            common = math.gcd(*split.values())
+            source = "model." if shape.where == "model" else f"{shape.where}'s "
+            sizes = ", ".join(f"{source}{k} = {v}" for k, v in split.items())
+            raise ConfigError(f"megatron.tp = {tp}: each rank holds 1/tp of the attention heads and MLP features, so tp "
+                              f"must divide {sizes}; choose one of {_divisors(common)}")
+    if shares is not None and shares % dp:
+        raise ConfigError(f"megatron.grad_shares = {shares}: not a multiple of megatron.dp = {dp} (every rank computes "
+                          "the same number of shares); choose a multiple, or null for dp")
+
+
+def _check_cpus(plain: dict, cpus: int) -> None:
+    r, meg = plain["runtime"], plain["megatron"]
+    where = f"the {cpus} CPU core(s) this process may use"
+    local_workers = r["backend"] == "local" or not os.environ.get("RAY_ADDRESS")  # ray: a new local cluster
+    if local_workers and r["rollout_workers"] > cpus:
+        raise ConfigError(f"runtime.rollout_workers = {r['rollout_workers']}: more than {where} (each worker is a "
+                          f"process generating with runtime.worker_threads threads); at most {cpus}")
+    for key in ("worker_threads", "learner_threads"):
+        if r[key] > cpus:
+            raise ConfigError(f"runtime.{key} = {r[key]}: more threads than {where}; at most {cpus}")
+    if r["learner"] == "megatron":
+        world = meg["tp"] * meg["pp"] * meg["dp"]
+        if world > cpus:
+            key = "megatron.tp" if meg["tp"] >= meg["dp"] else "megatron.dp"
+            raise ConfigError(f"{key} = {_lookup(plain, key)}: megatron.tp x pp x dp = {meg['tp']} x {meg['pp']} x "
+                              f"{meg['dp']} = {world} learner processes, more than {where}; at most {cpus} in all")
+
+
+def memory_need(plain: dict, shape: Shape) -> dict[str, float]:
+    """A lower bound on the bytes a run holds at once, by part. Weights: the learner's (with gradients and Adam's
+    two moments), max_lag + 1 kept versions, one copy per rollout worker. Rollout: each worker's KV cache, a slot
+    per row of a batch, each of at least max_new_tokens + 1 positions. Activations: the autograd tensors of the
+    learner's step (RL: 2+ tokens per row; warm-up: 3+), per token at least 4 x hidden + 3 x MLP features per
+    layer and 2 x vocabulary logits, float32."""
+    a, r, w = plain["algo"], plain["runtime"], plain["warmup"]
+    h, layers = shape.hidden, shape.layers
+    attn = h * shape.heads * shape.head_dim * 2 + h * shape.kv * shape.head_dim * 2
+    if shape.experts:
+        mlp, active = shape.experts * 3 * h * shape.moe_inter + h * shape.experts, max(shape.topk, 1) * shape.moe_inter
+    else:
+        mlp, active = 3 * h * shape.inter, shape.inter
+    params = shape.vocab * h * (1 if shape.tied else 2) + layers * (attn + mlp)
+    workers = r["rollout_workers"]
+    weights = 4 * params * (4 + a["max_lag"] + 1 + workers)
+    rows = a["prompts_per_update"] * a["group_size"]
+    kv_bytes = 2 if r["rollout_dtype"] == "bfloat16" else 4
+    kv = workers * rows * (a["max_new_tokens"] + 1) * layers * 2 * shape.kv * shape.head_dim * kv_bytes
+    per_token = 4 * (layers * (4 * h + 3 * active) + 2 * shape.vocab)
+    rl = rows * 2 * per_token
+    warm = w["batch_size"] * 3 * per_token if w["steps"] > 0 else 0
+    return {"weights and optimizer state": weights, "rollout KV caches": kv, "RL step activations": rl,
+            "warm-up step activations": warm}
+
+
+def _total(need: dict[str, float]) -> float:
+    return need["weights and optimizer state"] + max(need["rollout KV caches"] + need["RL step activations"],
+                                                     need["warm-up step activations"])
+
+
+# keys whose value the memory need grows with (a fresh model's dimensions only without hf_path)
+_MEMORY_KEYS = ("algo.prompts_per_update", "warmup.batch_size", "algo.group_size", "algo.max_new_tokens",
+                "runtime.rollout_workers", "algo.max_lag", "model.num_layers", "model.hidden_size",
+                "model.intermediate_size", "model.moe_intermediate_size", "model.num_experts")
+
+
+def _largest_fitting(plain: dict, key: str, avail: float) -> int | None:
+    """The largest value of `key` (others as given) whose memory need fits, or None when even its least does not."""
+    import copy
+
+    lo = SCHEMA[key].lo if SCHEMA[key].lo is not None else 0
+    lo = max(int(lo), 1 if key not in ("algo.max_lag", "model.num_experts") else 0)
+    value = _lookup(plain, key)
+    if value is None or value <= lo:
+        return None
+    trial = copy.deepcopy(plain)
+
+    def fits(v: int) -> bool:
+        _assign(trial, key, v)
+        shape = model_shape(trial)
+        return shape is not None and _total(memory_need(trial, shape)) <= avail
+
+    if not fits(lo):
+        return None
+    good, bad = lo, value  # fits(good), not fits(bad)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults() -> dict:
+    from nemo_rz.config import DEFAULT  # config imports this module: only once both are loaded
+
+    return OmegaConf.to_container(OmegaConf.load(DEFAULT), resolve=True)
+
+
+def _check_memory(plain: dict, shape: Shape, avail: int) -> None:
+    need = memory_need(plain, shape)
+    total = _total(need)
+    if total <= avail:
+        return
+    keys = [k for k in _MEMORY_KEYS if not (k.startswith("model.") and plain["model"]["hf_path"] is not None)
+            and not (k == "warmup.batch_size" and plain["warmup"]["steps"] == 0)
+            and not (k.startswith("model.") and "expert" in k and not plain["model"]["num_experts"])]
+    defaults = _defaults()
+    best = None  # the key raised most above its default that alone can bring the need down to what is available
+    for key in keys:
+        most = _largest_fitting(plain, key, avail)
+        if most is not None:
+            grown = _lookup(plain, key) / max(_lookup(defaults, key) or 1, 1)
+            if best is None or grown > best[0]:
+                best = (grown, key, most)
+    parts = ", ".join(f"{name} {v / GIB:.1f}" for name, v in need.items() if v >= 0.05 * GIB)
+    what = (f"needs at least {total / GIB:.1f} GiB of memory ({parts}), more than the {avail / GIB:.1f} GiB "
+            "available on this machine")
+    if best is None:
+        raise ConfigError(f"the model and batch sizes: the run {what}; use a smaller model or smaller batches")
+    _, key, most = best
+    raise ConfigError(f"{key} = {_lookup(plain, key)}: the run {what}; lower it to at most {most} (the other settings "
+                      "as they are)")
+
+
+def check_sizes(plain: dict, machine: bool = True) -> None:
+    """Every size against the model (heads, KV heads, MLP features, positions), the other settings, and (machine)
+    this machine's cores and memory: one ConfigError naming the key, its value, the limit and why, before any
+    process starts."""
+    _check_model(plain)
+    shape = model_shape(plain)
+    _check_settings(plain, shape)
+    if not machine:
+        return
+    _check_cpus(plain, usable_cpus())
+    avail = available_memory()
+    if shape is not None and avail is not None:
+        _check_memory(plain, shape, avail)
 
 
 def fixed_on_resume(key: str) -> bool:

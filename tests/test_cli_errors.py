@@ -30,13 +30,19 @@ def run(tmp_path_factory):
     files = {
         "scalar.yaml": "5\n", "list.yaml": "- 1\n", "broken.yaml": "algo: {lr: [\n", "interp.yaml": "algo:\n  lr: ${nope}\n",
         "unknown.yaml": "algo:\n  max_lga: 3\n", "shape.yaml": "model:\n  num_layers: 3\n", "latin1.yaml": b"seed: \xe9\n",
-        "a_file": "",
+        "a_file": "", "env.yaml": "run_dir: /tmp/${oc.env:HOME}\n", "dup.yaml": "seed: 1\nseed: 2\n",
+        "bomb.yaml": "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+            f"{n}: &{n} [{', '.join(['*' + p] * 10)}]\n" for p, n in zip("abcde", "bcdef")),
     }
     for name, text in files.items():
         (base / name).write_bytes(text if isinstance(text, bytes) else text.encode())
     bad = base / "bad_run"  # a run whose config.yaml was damaged
     bad.mkdir()
     (bad / "config.yaml").write_text("seed: [0\n")
+    edited = base / "edited_run"  # a run whose config.yaml was edited to read the environment
+    shutil.copytree(base / "run", edited)
+    text = (edited / "config.yaml").read_text()
+    (edited / "config.yaml").write_text(text.replace("system_prompt: null", "system_prompt: ${oc.env:HOME}"))
     return base
 
 
@@ -81,11 +87,21 @@ CASES = {
     "config not utf-8": (["--config", "{base}/latin1.yaml"], "latin1.yaml: cannot read it (not a UTF-8 text file)"),
     "config interpolation": (["--config", "{base}/interp.yaml"], "config key algo.lr: cannot resolve its value"),
     "config unknown key": (["--config", "{base}/unknown.yaml"], "unknown config key 'algo.max_lga' in {base}/unknown.yaml"),
+    "config reads the environment": (["--config", "{base}/env.yaml"], "run_dir = '/tmp/${oc.env:HOME}' reads the environment; "
+                                     "a config file may only refer to its own keys"),
+    "config duplicate key": (["--config", "{base}/dup.yaml"], "dup.yaml: not valid YAML (while constructing a mapping, found duplicate key seed at line 2"),
+    "config alias bomb": (["--config", "{base}/bomb.yaml"], "bomb.yaml: expands to more than 10000 values"),
+    "config a device": (["--config", "/dev/zero"], "--config /dev/zero: cannot read it (a device, not a regular file)"),
+    "task option mistyped": (["task.options.n_train=abc"], "task.options.n_train = 'abc': expected an integer"),
+    "no held-out problems": (["task.options.n_heldout=0"], "task.options.n_heldout = 0: expected an integer in 1.."),
+    "tp beyond the heads": (["runtime.learner=megatron", "megatron.tp=64"], "megatron.tp = 64: each rank holds 1/tp"),
     # run directories
     "run_dir under a file": (["run_dir={base}/a_file/run"], "run_dir {base}/a_file/run: cannot create it (Not a directory)"),
     "run_dir holds a run": (["run_dir={base}/run"], "run_dir {base}/run already holds a run; pass resume="),
     "resume nothing": (["resume={base}/nowhere"], "config.yaml not found"),
     "resume corrupt config": (["resume={base}/bad_run"], "bad_run/config.yaml: not valid YAML"),
+    "resume edited config": (["resume={base}/edited_run"], "edited_run/config.yaml: task.system_prompt = '${oc.env:HOME}' "
+                             "is an interpolation"),
     "resume new shape": (["resume={base}/run", "model.hidden_size=128"], "model.hidden_size was 32, now 128; a resumed run keeps it"),
     "resume new task": (["resume={base}/run", "task.name=add2"], "task.name was add1, now add2"),
     "resume new seed": (["resume={base}/run", "seed=3"], "seed was 0, now 3"),

@@ -86,3 +86,36 @@ def test_resume_honours_and_reports_the_rest_including_a_config_file(tmp_path):
     layer.write_text("model:\n  num_layers: 3\n")  # a --config file is not ignored on resume: refused here
     with pytest.raises(ConfigError, match="model.num_layers was 2, now 3"):
         config.load(str(layer), [f"resume={run}"])
+
+
+def test_a_literal_dollar_brace_survives_the_run_config(tmp_path):
+    """An escaped \\${...} is text: it stays text in the resolved config, in the run's config.yaml and on resume
+    (which refuses a real interpolation there)."""
+    run = _saved_run(tmp_path, r"task.system_prompt=use \${oc.env:HOME} and a\\\${x}")
+    cfg = config.load(None, [f"resume={run}"])
+    assert cfg.task.system_prompt == r"use ${oc.env:HOME} and a\${x}"
+    (run / config.RUN_CONFIG).write_text((run / config.RUN_CONFIG).read_text().replace("max_lag: 2", "max_lag: ${seed}"))
+    with pytest.raises(ConfigError, match=r"algo.max_lag = '\$\{seed\}' is an interpolation"):
+        config.load(None, [f"resume={run}"])
+
+
+def test_task_options_are_checked_and_typed_with_the_config():
+    cfg = config.load(None, ["task.name=jsonl", "task.options.heldout_fraction=1", "task.options.seed=3"])
+    assert cfg.task.options.heldout_fraction == 1.0 and isinstance(cfg.task.options.heldout_fraction, float)
+    with pytest.raises(ConfigError, match="task.options.require_eos = 'maybe': expected true or false"):
+        config.load(None, ["task.name=jsonl", "task.options.require_eos=maybe"])
+
+
+def test_size_checks_read_the_machine(monkeypatch):
+    monkeypatch.setattr(schema, "usable_cpus", lambda: 4)
+    assert config.load(None, ["runtime.rollout_workers=4"]).runtime.rollout_workers == 4
+    with pytest.raises(ConfigError, match="runtime.rollout_workers = 5: more than the 4 CPU core"):
+        config.load(None, ["runtime.rollout_workers=5"])
+    monkeypatch.setattr(schema, "available_memory", lambda: None)  # unknown: no memory bound
+    assert config.load(None, ["algo.prompts_per_update=1000000"]).algo.prompts_per_update == 1_000_000
+
+
+def test_available_memory_and_cpus_are_sane():
+    assert schema.usable_cpus() >= 1
+    avail = schema.available_memory()
+    assert avail is None or avail > 0

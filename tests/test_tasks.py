@@ -285,3 +285,110 @@ def test_few_rows_train(tmp_path):
                      "metrics.tensorboard=false", "warmup.steps=2", "algo.updates=1", "algo.prompts_per_update=2",
                      "algo.group_size=2", "checkpoint.every=0"])
     assert rc == 0 and json.loads((tmp_path / "run" / "summary.json").read_text())["updates"] == 1
+
+
+# ---------------------------------------------------------------- typed options, BOM, repeated rows
+
+@pytest.mark.parametrize("name, options, match", [
+    ("jsonl", {"heldout_fraction": "abc"}, r"task.options.heldout_fraction = 'abc': expected a finite number \(task jsonl\)"),
+    ("jsonl", {"require_eos": "maybe"}, "task.options.require_eos = 'maybe': expected true or false"),
+    ("jsonl", {"seed": [1, 2]}, r"task.options.seed = \[1, 2\]: expected an integer >= 0"),
+    ("add2", {"n_train": "abc"}, "task.options.n_train = 'abc': expected an integer in 1..1000000, or null"),
+    ("add2", {"n_heldout": 0}, "task.options.n_heldout = 0: expected an integer in 1..1000000.*hold out at least 1"),
+    ("add2", {"n_train": 2.5}, "task.options.n_train = 2.5"),
+    ("add2", {"seed": True}, "task.options.seed = True: expected an integer"),
+    ("reverse", {"max_len": 100_000}, r"task.options.max_len = 100000: expected an integer in 1..512"),
+    ("reverse", {"min_len": 4, "max_len": 3}, "task.options.min_len = 4 is more than task.options.max_len = 3"),
+])
+def test_task_options_are_typed_per_task(name, options, match):
+    with pytest.raises(ValueError, match=match) as e:
+        make_task(name, **options)
+    assert "\n" not in str(e.value)
+
+
+def test_task_options_are_normalised():
+    from nemo_rz.tasks import options
+    from nemo_rz.plugins import load
+
+    assert options.check("jsonl", load("task", "jsonl"), {"heldout_fraction": 1, "name": 2024, "path": None}) == \
+        {"heldout_fraction": 1.0, "name": "2024", "path": None}
+    assert options.check("add2", load("task", "add2"), {"n_train": None}) == {"n_train": None}
+
+    @options.limits(k=options.Range(1, 3))
+    def plugin_task(k: int = 1, scale=0.5, anything=None, tokenizer=None, chat_template="auto", system_prompt=None):
+        ...
+
+    assert options.check("p", plugin_task, {"k": 3, "scale": 2, "anything": [1]}) == {"k": 3, "scale": 2.0, "anything": [1]}
+    with pytest.raises(ValueError, match=r"task.options.k = 4: expected an integer in 1..3 \(task p\)"):
+        options.check("p", plugin_task, {"k": 4})
+    with pytest.raises(ValueError, match="task.options.scale = 'x': expected a finite number"):
+        options.check("p", plugin_task, {"scale": "x"})
+
+
+def test_split_indices_refuses_no_heldout():
+    from nemo_rz.tasks.base import split_indices
+
+    with pytest.raises(ValueError, match="n_heldout = 0: hold out at least 1 problem"):
+        split_indices(100, 10, 0, 0, "task add1")
+
+
+def test_jsonl_accepts_a_utf8_bom(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes("\ufeff".encode() + ("\n".join(_rows(5)) + "\n").encode())
+    probs = load_jsonl(path)
+    assert len(probs) == 5 and probs[0].prompt == "0+1="
+    path.write_bytes(b'{"prompt": "a", "answer": "1"}\n' + "\ufeff".encode() + b'{"prompt": "b", "answer": "1"}\n')
+    with pytest.raises(ValueError, match="bom.jsonl:2: not valid JSON"):  # only the file's first bytes may be a BOM
+        load_jsonl(path)
+
+
+def test_jsonl_rows_that_cannot_be_read(tmp_path):
+    deep = '{"prompt": "1=", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    for line, match in [(deep, "nested too deeply to read"),
+                        ('{"prompt": "1=", "answer": ' + "7" * 5000 + "}", "a number of 5000 digits"),
+                        ('{"prompt": "1=", "answer": ' + "[" * 500 + "]" * 500 + "}", "'answer' must be a string or a number")]:
+        path = write(tmp_path, _rows(3) + [line])
+        with pytest.raises(ValueError, match=match) as e:
+            load_jsonl(path)
+        assert str(e.value).startswith(f"{path}:4: ") and "\n" not in str(e.value)
+    assert load_jsonl(write(tmp_path, ['{"prompt": "1=", "answer": ' + "7" * 4000 + "}"]))[0].answer == "7" * 4000
+
+
+def test_jsonl_reads_regular_files_only(tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for path, match in [("/dev/zero", "a device, not a regular file"), (fifo, "a FIFO, not a regular file")]:
+        with pytest.raises(ValueError, match=f"task.options.path {path}: cannot read it \\({match}\\)"):
+            load_jsonl(path)
+
+
+def _old_split(problems, seed, fraction):
+    """The split before repeated prompts were grouped: the same for data without repeats."""
+    order = list(range(len(problems)))
+    __import__("random").Random(seed).shuffle(order)
+    k = max(1, int(round(fraction * len(problems))))
+    return [problems[i] for i in order[k:]], [problems[i] for i in order[:k]]
+
+
+def test_repeated_rows_never_leak_into_heldout(tmp_path, capsys):
+    path = write(tmp_path, _rows(30))
+    task = jsonl_task(path, seed=5, heldout_fraction=0.2)
+    assert (task.train, task.heldout) == _old_split(load_jsonl(path), 5, 0.2)  # no repeats: the split of old
+    assert capsys.readouterr().err == ""
+    rows = _rows(30)
+    path = write(tmp_path, rows + rows[:10] + rows[:10] + [json.dumps({"prompt": "3+1=", "answer": "5"})])
+    task = jsonl_task(path, seed=5, heldout_fraction=0.2)
+    held = [p.prompt for p in task.heldout]
+    assert len(held) == len(set(held)) == 6 and not set(held) & {p.prompt for p in task.train}
+    assert len(task.train) + sum(1 + 2 * (int(p.split("+")[0]) < 10) + (p == "3+1=") for p in held) == 51
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"warning: {path}: 21 row(s) repeat the prompt of an earlier row "
+                                                   f"(first: {path}:31 repeats {path}:1)")
+    held_path = write(tmp_path, [rows[0], rows[1]], "h.jsonl")
+    task = jsonl_task(write(tmp_path, rows), heldout_path=held_path)
+    assert {p.prompt for p in task.train}.isdisjoint(p.prompt for p in task.heldout) and len(task.train) == 28
+    assert "2 row(s) ask a prompt of the held-out file" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="every row asks a prompt of the held-out file"):
+        jsonl_task(write(tmp_path, rows[:2]), heldout_path=held_path)

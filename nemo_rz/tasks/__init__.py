@@ -9,14 +9,14 @@ tokenizer: None or "char" (the character tokenizer), a checkpoint directory or .
 or a tokenizer object. With a chat template (chat_template auto|true), prompts are rendered as chat messages;
 the built-in tasks then ask word problems ("What is 12 + 34? ...") and read the last number of the reply.
 Tasks are registered by name (nemo_rz.plugins, entry points task.<name>): another package adds one the same way.
+Options are typed from the task function's signature and ranged by its @options.limits (tasks/options.py).
 """
 from __future__ import annotations
 
 import functools
-import inspect
 
 from nemo_rz import plugins
-from nemo_rz.tasks import arithmetic
+from nemo_rz.tasks import arithmetic, options
 from nemo_rz.tasks.base import Problem, Task
 from nemo_rz.tasks.hf_tokenizer import HFTokenizer
 from nemo_rz.tasks.jsonl import jsonl_task, load_jsonl
@@ -27,7 +27,6 @@ from nemo_rz.tasks.tokenizer import CharTokenizer, Tokenizer
 add1, add2, add3 = (functools.partial(arithmetic.addition, d) for d in (1, 2, 3))
 mul1, mul2 = (functools.partial(arithmetic.multiplication, d) for d in (1, 2))
 TASKS = plugins.Registry("task")  # every registered task: the built-ins above, then plugins'
-_RENDERING = ("tokenizer", "chat_template", "system_prompt")  # set by make_task's own arguments, not task options
 
 
 def load_tokenizer(spec) -> Tokenizer | None:
@@ -40,12 +39,10 @@ def load_tokenizer(spec) -> Tokenizer | None:
 
 
 def make_task(name: str, tokenizer=None, chat_template="auto", system_prompt: str | None = None, **kw) -> Task:
-    """The task registered as `name`, built with keyword arguments kw (see the module docstring)."""
+    """The task registered as `name`, built with keyword arguments kw (see the module docstring), each checked
+    against the task's declared options (tasks/options.py): one line for an unknown, mistyped or out-of-range one."""
     fn = plugins.load("task", name)
-    params = [p for p in inspect.signature(fn).parameters if p not in _RENDERING]
-    unknown = sorted(set(kw) - set(params))
-    if unknown:
-        raise ValueError(f"task {name!r}: unknown option(s) {', '.join(unknown)}: valid are {', '.join(params)}")
+    kw = options.check(name, fn, kw)
     return fn(tokenizer=load_tokenizer(tokenizer), chat_template=chat_template, system_prompt=system_prompt, **kw)
 
 

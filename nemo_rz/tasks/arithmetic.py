@@ -17,7 +17,18 @@ from typing import Callable
 
 from nemo_rz.tasks import verifiers
 from nemo_rz.tasks.base import Problem, Task, split_indices, use_chat
+from nemo_rz.tasks.options import Range, limits
 from nemo_rz.tasks.tokenizer import CharTokenizer, Tokenizer
+
+MAX_PROBLEMS = 1_000_000  # n_train, n_heldout: every problem is built and held in memory
+MAX_DIGITS = 512  # reverse: digits per string (a 512-digit prompt is already ~520 tokens; each problem is built in memory)
+_SPLITS = dict(
+    seed=Range(0),
+    n_train=Range(1, MAX_PROBLEMS, null_means="for min(50000, what is not held out)",
+                  why="every problem is built and held in memory"),
+    n_heldout=Range(1, MAX_PROBLEMS, null_means="for min(500, a fifth of the problems)",
+                    why="eval measures pass@1 on the held-out problems, so hold out at least 1"),
+)
 
 
 def exact_match(text: str, answer: str) -> float:
@@ -53,7 +64,8 @@ def _multiplication(digits: int) -> Space:
 
 def _reverse(min_len: int, max_len: int) -> Space:
     if not 1 <= min_len <= max_len:
-        raise ValueError(f"reverse task: need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        raise ValueError(f"reverse task: task.options.min_len = {min_len} is more than task.options.max_len = {max_len}; "
+                         "need 1 <= min_len <= max_len")
     sizes = [10 ** L for L in range(min_len, max_len + 1)]
 
     def problem(i: int, chat: bool) -> Problem:
@@ -76,6 +88,7 @@ def _make(name: str, space: Space, seed: int, n_train, n_heldout, tokenizer, cha
                 chat_verifier if chat else exact_match, chat=chat, system_prompt=system_prompt)
 
 
+@limits(**_SPLITS)
 def addition(digits: int = 2, seed: int = 0, n_train: int | None = None, n_heldout: int | None = None,
              tokenizer: Tokenizer | None = None, chat_template="auto", system_prompt: str | None = None) -> Task:
     """d-digit addition ("12+34=" -> "46")."""
@@ -84,6 +97,7 @@ def addition(digits: int = 2, seed: int = 0, n_train: int | None = None, n_heldo
     return _make(f"add{digits}", _addition(digits), seed, n_train, n_heldout, tokenizer, chat_template, system_prompt)
 
 
+@limits(**_SPLITS)
 def multiplication(digits: int = 1, seed: int = 0, n_train: int | None = None, n_heldout: int | None = None,
                    tokenizer: Tokenizer | None = None, chat_template="auto", system_prompt: str | None = None) -> Task:
     """d-digit times 1-digit multiplication ("12*3=" -> "36")."""
@@ -93,6 +107,9 @@ def multiplication(digits: int = 1, seed: int = 0, n_train: int | None = None, n
                  system_prompt)
 
 
+@limits(**_SPLITS, min_len=Range(1, MAX_DIGITS), max_len=Range(1, MAX_DIGITS, why="digits per string: "
+                                                                   "every problem is built in memory, and a prompt this long "
+                                                                   "already needs a model of 520 positions"))
 def reverse(min_len: int = 3, max_len: int = 5, seed: int = 0, n_train: int | None = None,
             n_heldout: int | None = None, tokenizer: Tokenizer | None = None, chat_template="auto",
             system_prompt: str | None = None) -> Task:

@@ -35,7 +35,10 @@ def split_indices(space: int, n_train: int | None, n_heldout: int | None, seed: 
         n_heldout = min(500, space // 5)
     if n_train is None:
         n_train = min(50_000, space - n_heldout)
-    if n_train < 1 or n_heldout < 0 or n_train + n_heldout > space:
+    if n_heldout < 1:
+        raise ValueError(f"{where}: n_heldout = {n_heldout}: hold out at least 1 problem (eval measures pass@1 on the "
+                         "held-out problems)")
+    if n_train < 1 or n_train + n_heldout > space:
         raise ValueError(f"{where}: cannot draw n_train={n_train} and n_heldout={n_heldout} distinct problems "
                          f"from {space}; lower them (n_train >= 1, sum <= {space})")
     idx = random.Random(seed).sample(range(space), n_heldout + n_train)

@@ -4,50 +4,108 @@ plus "answer" (a string or a number). Verifiers: verifiers.py (exact, numeric, d
 Every problem with the data is found before training and reported in one line naming the file and line: a
 missing file, a directory, bytes that are not UTF-8, invalid JSON, a missing or mistyped key, an answer the
 verifier cannot check, messages that are not role/content pairs, text the tokenizer cannot encode (checked when
-the task is built), and prompts too long for the model (Task.validate, once the model is known).
+the task is built), and prompts too long for the model (Task.validate, once the model is known). Only regular
+files are read (not /dev/zero, a FIFO...), of at most MAX_FILE_BYTES, lines of at most MAX_LINE_BYTES; a UTF-8
+byte order mark at the start is skipped. Rows repeating a prompt are warned about once (stderr) and kept on one
+side of the split: a held-out prompt is never trained on (with heldout_path too).
 """
 from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 
 from nemo_rz.tasks.base import Problem, Task, use_chat
+from nemo_rz.tasks.options import Range, limits
 from nemo_rz.tasks.tokenizer import DEFAULT_CHARS, CharTokenizer, Tokenizer
 from nemo_rz.tasks.verifiers import VERIFIERS, check_answer
 
 ROLES = ("system", "user", "assistant")
+MAX_FILE_BYTES = 1 << 30  # a JSONL file: 1 GiB (its problems are held in memory, several times its size)
+MAX_LINE_BYTES = 16 << 20  # one row: 16 MiB
+MAX_NUMBER_DIGITS = 4000  # Python reads integers of up to 4300 digits; a longer answer must be a string
+BOM = "\ufeff"
 
 
 def _messages(value, where: str) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}} objects, "
-                         f"got {str(value)[:60]}")
+                         f"got {_short(value)}")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or set(m) != {"role", "content"}:
             raise ValueError(f"{where}: messages[{i}] must be an object with exactly 'role' and 'content', got "
-                             f"{str(m)[:60]}")
+                             f"{_short(m)}")
         if m["role"] not in ROLES or not isinstance(m["content"], str) or not m["content"]:
             raise ValueError(f"{where}: messages[{i}] needs a role in {', '.join(ROLES)} and non-empty text content, "
-                             f"got role {str(m['role'])[:20]!r}, content {str(m['content'])[:40]!r}")
+                             f"got role {_short(m['role'], 20)!r}, content {_short(m['content'], 40)!r}")
         out.append((m["role"], m["content"]))
     if out[-1][0] == "assistant":
         raise ValueError(f"{where}: the last message is the assistant's; the prompt must end with a user turn")
     return tuple(out)
 
 
-def _lines(path: Path):
-    """(line number, text) of each non-blank line; bytes that are not UTF-8 are refused naming the line."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+def _lines(path: Path, what: str):
+    """(line number, text) of each non-blank line of a regular file; bytes that are not UTF-8 are refused naming
+    the line; a UTF-8 byte order mark at the start is dropped."""
+    from nemo_rz.config import open_regular
+
+    with open_regular(path, what, MAX_FILE_BYTES, "give the path of a JSONL file") as f:
+        lineno = 0
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            lineno += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise ValueError(f"{path}:{lineno}: a line of more than {MAX_LINE_BYTES} bytes; one row must be "
+                                 "smaller (shorten the prompt, or check that the file is JSONL)")
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
                                  "save the file as UTF-8") from None
+            if lineno == 1 and line.startswith(BOM):
+                line = line[len(BOM):]
             if line.strip():
                 yield lineno, line
+
+
+def _int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_NUMBER_DIGITS:
+        raise _LongNumber(digits)
+    return int(text)
+
+
+class _LongNumber(ValueError):
+    def __init__(self, digits: int):
+        super().__init__(digits)
+        self.digits = digits
+
+
+def _short(value, n: int = 60) -> str:
+    """str(value)[:n], also for values nested too deeply to print."""
+    try:
+        return str(value)[:n]
+    except RecursionError:
+        return f"a {type(value).__name__} nested too deeply to show"
+
+
+def _parse(line: str, where: str):
+    try:
+        return json.loads(line, parse_int=_int)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg}); write one JSON object per line") from None
+    except _LongNumber as e:
+        raise ValueError(f"{where}: a number of {e.digits} digits, more than the {MAX_NUMBER_DIGITS} that are read as "
+                         'a number; write it as a string ("123...")') from None
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply to read (arrays or objects inside each other hundreds of levels "
+                         'deep); write {"prompt": ..., "answer": ...}') from None
+    except ValueError as e:  # anything else the decoder refuses
+        raise ValueError(f"{where}: not valid JSON ({_short(e, 120)}); write one JSON object per line") from None
 
 
 def _open_path(path, what: str) -> Path:
@@ -66,12 +124,9 @@ def load_jsonl(path, prompt_key: str = "prompt", answer_key: str = "answer", mes
     """Problems from a JSONL file; blank lines are skipped; a bad line raises naming file and line."""
     path = _open_path(path, what)
     problems = []
-    for lineno, line in _lines(path):
+    for lineno, line in _lines(path, what):
         where = f"{path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e.msg}); write one JSON object per line") from None
+        row = _parse(line, where)
         if not isinstance(row, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}; "
                              f'write {{"{prompt_key}": ..., "{answer_key}": ...}}')
@@ -83,11 +138,11 @@ def load_jsonl(path, prompt_key: str = "prompt", answer_key: str = "answer", mes
                              "add it or set the key name")
         answer = row[answer_key]
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-            raise ValueError(f"{where}: {answer_key!r} must be a string or a number, got {str(answer)[:60]}")
+            raise ValueError(f"{where}: {answer_key!r} must be a string or a number, got {_short(answer)}")
         if prompt_key in row:
             prompt = row[prompt_key]
             if not isinstance(prompt, str) or not prompt:
-                raise ValueError(f"{where}: {prompt_key!r} must be a non-empty string, got {str(prompt)[:60]!r}")
+                raise ValueError(f"{where}: {prompt_key!r} must be a non-empty string, got {_short(prompt)!r}")
         else:
             prompt = _messages(row[messages_key], where)
         problems.append(Problem(prompt, answer if isinstance(answer, str) else json.dumps(answer), where))
@@ -103,10 +158,63 @@ def _char_tokenizer(problems: list[Problem]) -> CharTokenizer:
     return CharTokenizer(DEFAULT_CHARS + "".join(sorted(seen - set(DEFAULT_CHARS))))
 
 
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _by_prompt(problems: list[Problem]) -> dict:
+    """prompt -> the indices of the problems that ask it, in file order (dicts keep the first one's place)."""
+    groups: dict = {}
+    for i, p in enumerate(problems):
+        groups.setdefault(p.prompt, []).append(i)
+    return groups
+
+
+def _split(problems: list[Problem], path, seed: int, heldout_fraction: float) -> tuple[list[Problem], list[Problem]]:
+    """(train, heldout): a seeded heldout_fraction of the distinct prompts held out. Rows repeating a prompt go
+    with it (warned once), so no held-out prompt is ever trained on; without repeats, the same split as ever."""
+    if not 0 < heldout_fraction < 1:
+        raise ValueError(f"jsonl task {path}: task.options.heldout_fraction must be in (0, 1) (or give heldout_path), "
+                         f"got {heldout_fraction}")
+    groups = list(_by_prompt(problems).values())
+    repeats = [g for g in groups if len(g) > 1]
+    if repeats:
+        first = repeats[0]
+        _warn(f"{path}: {sum(len(g) - 1 for g in repeats)} row(s) repeat the prompt of an earlier row (first: "
+              f"{problems[first[1]].where} repeats {problems[first[0]].where}); each prompt is held out or trained on, "
+              "never both, and held out once")
+    order = list(range(len(groups)))
+    random.Random(seed).shuffle(order)
+    k = max(1, int(round(heldout_fraction * len(groups))))  # at least one problem to evaluate on
+    if k >= len(groups):
+        distinct = f" ({len(groups)} distinct prompt(s))" if repeats else ""
+        raise ValueError(f"{path}: {len(problems)} example(s){distinct} leave none to train on after holding out {k}; "
+                         "add examples or give a separate heldout_path")
+    heldout = [problems[groups[g][0]] for g in order[:k]]
+    train = [problems[i] for g in order[k:] for i in groups[g]]
+    return train, heldout
+
+
+def _without_heldout(train: list[Problem], heldout: list[Problem], path, heldout_path) -> list[Problem]:
+    """The training problems whose prompt is not a held-out one (warned once, when some are)."""
+    held = {p.prompt: p for p in heldout}
+    kept = [p for p in train if p.prompt not in held]
+    if len(kept) < len(train):
+        first = next(p for p in train if p.prompt in held)
+        _warn(f"{path}: {len(train) - len(kept)} row(s) ask a prompt of the held-out file {heldout_path} (first: "
+              f"{first.where} = {held[first.prompt].where}); dropped from training, so that held-out stays unseen")
+    if not kept:
+        raise ValueError(f"{path}: every row asks a prompt of the held-out file {heldout_path}, which leaves none to "
+                         "train on; give held-out problems that are not in the training file")
+    return kept
+
+
+@limits(seed=Range(0))
 def jsonl_task(path: str | None = None, verifier: str = "exact", seed: int = 0, heldout_fraction: float = 0.1,
                heldout_path: str | None = None, name: str | None = None, require_eos: bool = True,
                tokenizer: Tokenizer | None = None, chat_template="auto", system_prompt: str | None = None) -> Task:
-    """A Task from JSONL: held out = heldout_path's problems, or a seeded heldout_fraction of path's.
+    """A Task from JSONL: held out = heldout_path's problems, or a seeded heldout_fraction of path's distinct prompts.
+    No prompt is both held out and trained on (repeats are warned about once).
 
     Without a tokenizer, a character tokenizer covering the data is built (plain prompts only).
     """
@@ -114,18 +222,10 @@ def jsonl_task(path: str | None = None, verifier: str = "exact", seed: int = 0, 
         raise ValueError(f"unknown verifier {verifier!r} for {path}: use one of {', '.join(VERIFIERS)}")
     problems = load_jsonl(path)
     if heldout_path is not None:
-        train, heldout = problems, load_jsonl(heldout_path, what="task.options.heldout_path")
+        heldout = load_jsonl(heldout_path, what="task.options.heldout_path")
+        train = _without_heldout(problems, heldout, path, heldout_path)
     else:
-        if not 0 < heldout_fraction < 1:
-            raise ValueError(f"jsonl task {path}: heldout_fraction must be in (0, 1) (or give heldout_path), "
-                             f"got {heldout_fraction}")
-        order = list(range(len(problems)))
-        random.Random(seed).shuffle(order)
-        k = max(1, int(round(heldout_fraction * len(problems))))  # at least one problem to evaluate on
-        if k >= len(problems):
-            raise ValueError(f"{path}: {len(problems)} example(s) leave none to train on after holding out {k}; "
-                             "add examples or give a separate heldout_path")
-        heldout, train = [problems[i] for i in order[:k]], [problems[i] for i in order[k:]]
+        train, heldout = _split(problems, path, seed, heldout_fraction)
     for p in train + heldout:
         try:
             check_answer(verifier, p.answer)
