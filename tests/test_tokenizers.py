@@ -210,3 +210,116 @@ def test_trainer_uses_the_checkpoint_tokenizer(tmp_path):
 def cfg_overrides(cfg) -> list[str]:
     return [f"model.hf_path={cfg.model.hf_path}", "task.name=add1", "warmup.steps=0", "eval.n=4", "progress=false",
             "metrics.tensorboard=false", "algo.max_new_tokens=8"]
+
+
+# -- chat templates: rendered as transformers renders them, within bounds -------------------------------------
+KITCHEN_SINK = r"""{%- set ns = namespace(last_user=-1, tools=[]) %}
+{%- for m in messages[::-1] %}{%- if ns.last_user < 0 and m.role == 'user' %}{%- set ns.last_user = messages|length - 1 - loop.index0 %}{%- endif %}{%- endfor %}
+{%- macro show(m, i) -%}[{{ i }}/{{ messages|length }}] {{ m['role']|upper }}{{ ':' ~ ' ' }}{{ m.content|trim }}{% if m.extra is defined %} {{ m.extra|tojson }}{% endif %}{%- endmacro %}
+{{- bos_token }}{% if messages[0].role == 'system' %}<<SYS>>{{ messages[0].content.split(' ')|join('_') }}<</SYS>>
+{% endif %}
+{%- for m in messages if m.role != 'system' %}
+{%- if loop.first %}{{ '%s/%d' % ('turns', loop.length) }}
+{% endif %}
+{%- generation %}{{ show(m, loop.index) }}{% endgeneration %}{{ '\n' if not loop.last else '' }}
+{%- if loop.index0 == ns.last_user - 1 %}<<last user next>>{% endif %}
+{%- if m.content.startswith('skip') %}{% continue %}{% endif %}
+{%- set pad = '-' * (loop.index % 3) %}{{ pad }}{{ '{:>4}'.format(loop.index) }}{{ m.content|replace('1', 'one')|center(12)|length }}
+{%- if m.content == 'stop' %}{% break %}{% endif %}
+{% endfor %}
+{%- set items = {'b': 2, 'a': [1, 2.5, none, true, 'ü']} %}{{ items|tojson }}{{ items|tojson(indent=2) }}
+{%- for k, v in items|dictsort %}{{ k }}={{ v }};{% endfor %}{{ (messages|map(attribute='role')|unique|list|length) ** 2 }}
+{%- for chunk in 'abcdefg'|batch(3, 'x') %}{{ chunk|join }}{% endfor %}{{ range(5)|slice(2)|list }}{{ 'a b c'|wordwrap(2) }}
+{%- set captured %}{% filter upper %}captured {{ eos_token }}{% endfilter %}{% endset %}{{ captured|indent(2, true) }}
+{%- if add_generation_prompt %}{{ '<|assistant|>' + '\n' }}{% endif %}"""
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief and kind."}, {"role": "user", "content": "What is 1 + 2?"},
+     {"role": "assistant", "content": " 3 ", "extra": {"k": [1, "ü"]}}, {"role": "user", "content": "skip me 11"},
+     {"role": "user", "content": "stop"}, {"role": "user", "content": "never"}],
+]
+
+
+@pytest.mark.parametrize("template", [CHATML, KITCHEN_SINK], ids=["chatml", "kitchen sink"])
+@pytest.mark.parametrize("messages", CONVERSATIONS, ids=["one turn", "many turns"])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_bounded_rendering_matches_transformers(template, messages, add_generation_prompt):
+    tok = HFTokenizer(bpe_tokenizer(chat_template=template))
+    expected = tok.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert tok._render(messages, add_generation_prompt) == expected
+    assert tok.chat(messages, add_generation_prompt) == tok.encode(expected)
+
+
+_DOUBLING = "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s OP ns.s %}{% endfor %}{{ ns.s|length }}"
+RUNAWAY_TEMPLATES = {  # a template from the model files that would take the machine's time or memory
+    "nested loops": ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+                     "loop iterations and calls"),
+    "string repetition": ("{{ 'x' * 3000000000 }}", "a repeated value of 3000000000 characters"),
+    "repetition on the right": ("{{ 3000000000 * 'x' }}", "a repeated value of"),
+    "list repetition": ("{{ ([1, 2] * 1000000000)|length }}", "a repeated value of"),
+    "shared lists": ("{% set l = range(100000)|list %}{{ ([l] * 1000)|length }}", "a repeated value of"),
+    "doubling with ~": (_DOUBLING.replace("OP", "~"), "a concatenated string of"),
+    "doubling with +": (_DOUBLING.replace("OP", "+"), "a sum of"),
+    "printf width": ("{{ '%1000000000s' % 'x' }}", "a formatted string of"),
+    "printf star width": ("{{ '%*s' % (1000000000, 'x') }}", "a formatted string of"),
+    "format width": ("{{ '{:>1000000000}'.format(1) }}", "a formatted string of"),
+    "format nested width": ("{{ '{:>{w}}'.format(1, w=1000000000) }}", "a formatted string of"),
+    "format filter": ("{{ '%1000000000d'|format(1) }}", "a formatted string of"),
+    "center filter": ("{{ 'x'|center(1000000000) }}", "center's result of"),
+    "indent filter": ("{{ ('a\n' * 1000)|indent(1000000) }}", "indent's result of"),
+    "ljust method": ("{{ 'x'.ljust(1000000000) }}", "str.ljust's result of"),
+    "replace filter": ("{{ ('a' * 1000)|replace('a', 'b' * 100000) }}", "a replaced string of"),
+    "replace method": ("{{ ('a' * 1000).replace('', 'b' * 100000) }}", "a replaced string of"),
+    "join filter": ("{% set s = 'x' * 100000 %}{{ ([s] * 10)|join('y' * 100000) }}", "join's result of"),
+    "join method": ("{% set s = 'x' * 100000 %}{{ ('y' * 100000).join([s] * 10) }}", "str.join's result of"),
+    "batch fill": ("{{ [1]|batch(1000000000, 0)|list|length }}", "batch's line count of"),
+    "power": ("{{ 10 ** 1000000000 }}", "a power of"),
+    "output": ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "output of"),
+    "literal text in a set block": ("{% set s %}{% for i in range(100000) %}" + "y" * 200 + "{% endfor %}{% endset %}",
+                                    "output of"),
+    "macro output": ("{% macro m() %}{% for i in range(100000) %}" + "z" * 200 + "{% endfor %}{% endmacro %}{% set _ = m() %}",
+                     "output of"),
+    "tojson indent": ("{{ range(100000)|list|tojson(indent=100) }}", "tojson's result of"),
+}
+
+
+@pytest.mark.parametrize("case", list(RUNAWAY_TEMPLATES))
+def test_runaway_chat_templates_stop_within_bounds(case):
+    import time
+
+    template, message = RUNAWAY_TEMPLATES[case]
+    tok = HFTokenizer(bpe_tokenizer(chat_template=template))
+    start = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        tok.chat(MESSAGES)
+    assert time.monotonic() - start < 8  # the render bounds, not the machine, stopped it
+    text = str(info.value)
+    assert "\n" not in text and "went past its render bound" in text and message in text, text
+    assert "fix the chat template" in text
+
+
+def test_render_deadline(monkeypatch):
+    """The time bound, for a template within the step and size bounds that is slow all the same."""
+    from nemo_rz.tasks import hf_tokenizer
+
+    monkeypatch.setattr(hf_tokenizer, "RENDER_SECONDS", 0.05)
+    slow = "{% for i in range(900) %}{% set s = ('x' * 100000).replace('x', 'yy') %}{% endfor %}"
+    with pytest.raises(ValueError, match=r"went past its render bound \(more than 0.05 s\)"):
+        HFTokenizer(bpe_tokenizer(chat_template=slow)).chat(MESSAGES)
+
+
+def test_templates_cannot_reach_around_the_bounds():
+    """lipsum (n paragraphs) is gone; the sandbox still refuses attribute tricks."""
+    for template, message in [("{{ lipsum(100000) }}", "UndefinedError"),
+                              ("{{ ''.__class__.__mro__ }}", "refused the messages"),
+                              ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "refused the messages")]:
+        with pytest.raises(ValueError, match=message):
+            HFTokenizer(bpe_tokenizer(chat_template=template)).chat(MESSAGES)
+
+
+def test_bounds_grow_with_the_messages():
+    """A long conversation is not refused: the step and size bounds grow with the input."""
+    tok = HFTokenizer(bpe_tokenizer())
+    long = [{"role": "user" if i % 2 else "assistant", "content": "What is 1 + 2? " * 2000} for i in range(64)]
+    text = tok._render(long, True)
+    assert len(text) > 1_900_000 and text == tok.tok.apply_chat_template(long, tokenize=False, add_generation_prompt=True)
