@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nemo_rz import ops
+from nemo_rz.ops import weight_cache
 from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.decoder import Decoder, KVCache, Tokens
 from nemo_rz.models.layers import Block, Linear, RMSNorm
@@ -127,7 +128,6 @@ class DraftHead(nn.Module):
         # The draft's vocabulary: ascending target token ids whose LM-head rows the draft scores (choose_vocab).
         size = cfg.vocab_size if vocab_size is None else min(vocab_size, cfg.vocab_size)
         self.register_buffer("vocab", torch.arange(size), persistent=True)
-        self._head = None  # (the target's head, its and the vocabulary's versions, the draft's rows of it)
 
     # -- pieces shared by training and inference -----------------------------------------------------
     def spec(self) -> dict:
@@ -169,15 +169,13 @@ class DraftHead(nn.Module):
 
     def head(self, target: Decoder) -> torch.Tensor:
         """The target LM head's rows of the draft vocabulary [vocab_size, H], detached (the head gets no
-        gradient from the draft). Kept while neither the head nor the vocabulary changes: ops.linear keeps its
-        [K, N] copy of a weight on the tensor object, so a fresh tensor per call would redo that copy (of the
-        whole head, with the full vocabulary) every draft step."""
+        gradient from the draft). Kept on the head (ops.weight_cache) while neither the head nor the vocabulary
+        changes: ops.linear keeps its [K, N] copy of a weight on the tensor object, so a fresh tensor per call
+        would redo that copy (of the whole head, with the full vocabulary) every draft step."""
         head = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-        key = (head._version, self.vocab._version)
-        if self._head is None or self._head[0] is not head or self._head[1] != key:
-            rows = head.detach() if self.full_vocab else head.detach().index_select(0, self.vocab)
-            self._head = (head, key, rows)
-        return self._head[2]
+        vocab = self.vocab
+        rows = lambda: head.detach() if self.full_vocab else head.detach().index_select(0, vocab)
+        return weight_cache.derived(head, "draft.head", rows, weight_cache.key(vocab))
 
     def logits(self, target: Decoder, g: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab_size] over the draft vocabulary for draft hidden states g [N, H]."""
@@ -210,68 +208,43 @@ class DraftHead(nn.Module):
         return x
 
     # -- training (all steps of every branch at once) ---------------------------------------------------
-    def _layer(self, block: Block, x: torch.Tensor, positions: torch.Tensor, keys: list, values: list, attend) -> torch.Tensor:
-        """One draft layer for one step of rows x [N, H] at `positions` [N]; keys/values hold the earlier steps'
-        k, v [N, Hkv, D] and get this step's. attend(q, keys, values, scale) -> [N, heads, D] is the step's
-        attention: step 1 causal over the step-1 entries, step s > 1 also, per root, its own steps 2..s (the
-        pattern the KV cache gives at inference)."""
-        a, c = block.self_attn, self.config
-        h = block.input_layernorm(x)
-        q = a.q_proj(h).view(-1, c.num_heads, c.head_dim)
-        k = a.k_proj(h).view(-1, c.num_kv_heads, c.head_dim)
-        v = a.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k = ops.rope(q, positions, c.rope_theta), ops.rope(k, positions, c.rope_theta)
-        keys.append(k)
-        values.append(v)
-        out = attend(q, keys, values, c.head_dim ** -0.5)
-        x = x + a.o_proj(out.reshape(-1, c.num_heads * c.head_dim))
-        return x + block.mlp(block.post_attention_layernorm(x))
-
-    @staticmethod
-    def dense_attention(q: torch.Tensor, keys: list, values: list, scale: float, batch: int) -> torch.Tensor:
-        """`_layer`'s attention for a dense [batch, T] batch of roots (rows batch-major), in plain torch: root t's
-        step-s query sees the step-1 entries 0..t of its row and its own entries of steps 2..s."""
-        n, heads, dim = q.shape
-        length = n // batch
-        group = heads // keys[0].shape[1]
-        split = lambda t: t.view(batch, length, -1, dim).transpose(1, 2)  # [B, heads, T, D]
-        expand = lambda t: split(t).repeat_interleave(group, dim=1)
-        q = split(q)
-        main = (q @ expand(keys[0]).transpose(-1, -2)) * scale  # [B, H, T, T]: root t sees step-1 entries 0..t
-        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        main = main.masked_fill(~causal, float("-inf"))
-        own = [(q * expand(kk)).sum(-1, keepdim=True) * scale for kk in keys[1:]]  # [B, H, T, 1] each
-        p = torch.softmax(torch.cat([main, *own], dim=-1).float(), dim=-1).to(q.dtype)
-        out = p[..., :length] @ expand(values[0])
-        for j, vv in enumerate(values[1:]):
-            out = out + p[..., length + j : length + j + 1] * expand(vv)
-        return out.transpose(1, 2).reshape(n, heads, dim)
-
     def run_steps(self, target: Decoder, feature: torch.Tensor, reads: list, positions: torch.Tensor, attend):
         """Yield (s, hidden [N, H]) for s = 1..len(reads) over N roots: step s reads token reads[s - 1] [N] at
         position positions + s - 1, step 1 fed by the fused target features `feature` [N, H], each later step by
-        the one before; `attend` as in `_layer` (`dense_attention` for a [B, T] batch, context parallelism's
-        ring and branch attention for a shard)."""
+        the one before. The layers are the draft's own Blocks with their attention handed out (Tokens.attend,
+        the seam context parallelism routes a Decoder's attention through): attend(q, keys, values, scale) ->
+        [N, heads, D], where keys/values list the layer's k, v [N, Hkv, D] of steps 1..s. Step 1 attends causally
+        over the step-1 entries, step s > 1 also, per root, to its own steps 2..s (the pattern the KV cache gives
+        at inference): parallel.context's ring and branch attention, over a [B, T] batch on one rank
+        (`branches`) or over a shard of a packed row (cp_draft_loss)."""
+        c = self.config
+        rope = c.rope(0)  # the draft's layers are full-attention layers of one RoPE
         keys = [[] for _ in self.layers]
         values = [[] for _ in self.layers]
         for s, tokens in enumerate(reads, 1):
             x = self._input(target, feature, tokens)
-            for i, block in enumerate(self.layers):
-                x = self._layer(block, x, positions + (s - 1), keys[i], values[i], attend)
+            at = positions + (s - 1)
+            ropes = {rope: ops.rope_cos_sin(at, c.head_dim, *rope)}
+            for block, k, v in zip(self.layers, keys, values):
+                step = functools.partial(_step_attention, attend, k, v)
+                x = block(x, Tokens(tokens, at, None, attend=step, ropes=ropes))  # seq_idx: unused with attend
             feature = x  # the next step reads this step's hidden state
             yield s, x
 
     def branches(self, target: Decoder, aux: torch.Tensor, input_ids: torch.Tensor, steps: int):
         """Yield (s, hidden [B, T, H]) for s = 1..steps: step s of the branch rooted at every position t (token
-        t + s in, position t + s - 1), step 1 fed by the target features aux [B * T, len(aux_layers) * H]."""
+        t + s in, position t + s - 1), step 1 fed by the target features aux [B * T, len(aux_layers) * H]. The
+        batch's rows are the sequences of a packed row on one rank: every root's states are the bits
+        cp_draft_loss computes for it (the same core as ops.attention, whatever the padding)."""
+        from nemo_rz.parallel.context import ZigzagShard, _draft_attention  # parallel.context builds on the models
+
         if steps < 1:
             raise ValueError(f"draft.steps = {steps}: must be >= 1")
         b, length = input_ids.shape
         reads = [F.pad(input_ids[:, s:], (0, s)).reshape(-1) for s in range(1, steps + 1)]  # root t reads t + s (0 past the end)
         positions = torch.arange(length, device=input_ids.device).repeat(b)
-        for s, x in self.run_steps(target, self.fc(aux), reads, positions, functools.partial(self.dense_attention, batch=b)):
+        attend = functools.partial(_draft_attention, shard=ZigzagShard(range(0, b * length + 1, length), 1, 0), group=None)
+        for s, x in self.run_steps(target, self.fc(aux), reads, positions, attend):
             yield s, x.view(b, length, -1)
 
     def token_losses(self, target: Decoder, g: torch.Tensor, temperature: float, labels: torch.Tensor,
@@ -331,6 +304,13 @@ class DraftHead(nn.Module):
         if n == 0:
             return None, metrics
         return total / n, metrics
+
+
+def _step_attention(attend, keys: list, values: list, q, k, v, scale):
+    """Tokens.attend of one draft layer at one training step: this step's k, v join the layer's earlier steps'."""
+    keys.append(k)
+    values.append(v)
+    return attend(q, keys, values, scale)
 
 
 def expected_tokens_per_pass(accept: list[float]) -> float:

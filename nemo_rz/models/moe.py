@@ -21,21 +21,16 @@ from torch import nn
 from nemo_rz import ops
 from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.layers import Linear
-
-_COPY = "_nemo_rz_t"  # the attribute ops.forget_weight_copies drops (the cached [in, out] copy of a weight)
+from nemo_rz.ops.weight_cache import derived
 
 
 def transposed(weight: torch.Tensor) -> torch.Tensor:
     """[E, out, in] -> contiguous [E, in, out] for ops.expert_linear. Without autograd the copy is kept on the
-    weight until its version counter moves (an optimizer step, `copy_`), as ops.linear keeps its copies."""
+    weight until it changes (ops.weight_cache, as ops.linear keeps its copies; ops.forget_weight_copies drops
+    it)."""
     if torch.is_grad_enabled() and weight.requires_grad:
         return weight.transpose(1, 2).contiguous()
-    key = (None if weight.is_inference() else weight._version, weight.data_ptr(), weight.dtype)
-    cached = weight.__dict__.get(_COPY)
-    if cached is None or cached[0] != key:
-        cached = (key, weight.detach().transpose(1, 2).contiguous())
-        weight.__dict__[_COPY] = cached
-    return cached[1]
+    return derived(weight, "experts.t", lambda: weight.detach().transpose(1, 2).contiguous())
 
 
 def _router_logits(x: torch.Tensor, router: Linear) -> torch.Tensor:

@@ -8,7 +8,6 @@ manager, or the environment variable NEMO_RZ_KERNELS; `consistent` is the defaul
 from nemo_rz.ops.activation import clamped_swiglu, gelu_tanh_and_mul, silu_and_mul
 from nemo_rz.ops.aten import batch_invariant
 from nemo_rz.ops.attention import ATTN_TILE_ROWS, KV_BLOCK, AttentionPlan, attention
-from nemo_rz.ops.gemm import forget_weight_copies
 from nemo_rz.ops.linear import embedding, linear
 from nemo_rz.ops.logprobs import log_softmax, probabilities, token_logprobs
 from nemo_rz.ops.mode import MODES, get_mode, mode, set_mode
@@ -16,6 +15,7 @@ from nemo_rz.ops.moe import expert_linear, moe_combine, route_topk, softmax
 from nemo_rz.ops.norm import rms_norm
 from nemo_rz.ops.rope import rope, rope_cos_sin
 from nemo_rz.ops.tiles import TILE_ROWS
+from nemo_rz.ops.weight_cache import forget_weight_copies
 
 __all__ = [
     "ATTN_TILE_ROWS", "AttentionPlan", "MODES", "KV_BLOCK", "TILE_ROWS", "attention", "batch_invariant", "clamped_swiglu", "embedding",

@@ -13,28 +13,14 @@ import torch
 
 from nemo_rz.ops.tiles import from_tiles, tiled_matmul, to_tiles
 from nemo_rz.ops.verified import by_rows, matmul_route
-
-
-_COPY = "_nemo_rz_t"  # the attribute on a weight that holds its [K, N] copy
+from nemo_rz.ops.weight_cache import derived
 
 
 def weight_t(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """weight [N, K] as a contiguous [K, N] `dtype` matrix, kept on the weight until it changes: its version
-    counter moves on every in-place update (an optimizer step, `copy_`). Writes through `weight.data` (as
-    vLLM's weight loaders do) or into inference tensors bypass that counter: whoever writes weights that way
-    calls `forget_weight_copies` afterwards. Costs one copy of each weight."""
-    key = (None if weight.is_inference() else weight._version, weight.data_ptr(), dtype)
-    cached = getattr(weight, _COPY, None)
-    if cached is None or cached[0] != key:
-        cached = (key, weight.detach().t().to(dtype).contiguous())
-        setattr(weight, _COPY, cached)
-    return cached[1]
-
-
-def forget_weight_copies(module: torch.nn.Module) -> None:
-    """Drop the [K, N] copies of a module's weights (after writing them through `.data`)."""
-    for p in module.parameters():
-        p.__dict__.pop(_COPY, None)
+    """weight [N, K] as a contiguous [K, N] `dtype` matrix, kept on the weight until it changes (weight_cache:
+    in-place updates are seen; whoever writes through `.data` calls `forget_weight_copies` afterwards). Costs
+    one copy of each weight."""
+    return derived(weight, "gemm.t", lambda: weight.detach().t().to(dtype).contiguous(), dtype)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,7 @@ from nemo_rz.ops.dispatch import compute_dtype, on_gpu_kernels
 from nemo_rz.ops.mode import consistent
 from nemo_rz.ops.tiles import from_tiles, row_sum, tiled_matmul, to_tiles
 from nemo_rz.ops.verified import by_rows, matmul_route, rowwise_route
-
-_COPY = "_nemo_rz_f32"  # the attribute on an expert weight that holds its float32 copy
+from nemo_rz.ops.weight_cache import derived
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
@@ -106,15 +105,10 @@ def _grouped_fast(x, experts, weight_t, bias):
 
 def _float_weights(weight_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """weight_t as a contiguous `dtype` tensor: itself when it is one, else a copy kept on it until it changes
-    (as gemm.weight_t)."""
+    (weight_cache, as gemm.weight_t)."""
     if weight_t.dtype == dtype and weight_t.is_contiguous() and weight_t.data_ptr() % 64 == 0:
         return weight_t.detach()  # aligned: so is each expert's slice (see _rows_times)
-    key = (None if weight_t.is_inference() else weight_t._version, weight_t.data_ptr(), dtype)
-    cached = getattr(weight_t, _COPY, None)
-    if cached is None or cached[0] != key:
-        cached = (key, weight_t.detach().to(dtype).contiguous())
-        setattr(weight_t, _COPY, cached)
-    return cached[1]
+    return derived(weight_t, "moe.float", lambda: weight_t.detach().to(dtype).contiguous(), dtype)
 
 
 def _rows_times(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

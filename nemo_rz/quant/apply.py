@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from nemo_rz.models.decoder import Linear
+from nemo_rz.ops.weight_cache import forget_weight_copies
 from nemo_rz.quant.experts import FAMILIES, WEIGHTS, QuantizedExperts, in_features
 from nemo_rz.quant.linear import Precision, QuantizedLinear
 
@@ -78,9 +79,5 @@ def apply_precision(model: nn.Module, precision: Precision | dict | str | None) 
     return model
 
 
-def forget_quantized_weights(module: nn.Module) -> None:
-    """Drop every cached quantized weight of `module` (after writing weights through `.data`, which no version
-    counter sees)."""
-    for m in module.modules():
-        if isinstance(m, (QuantizedLinear, QuantizedExperts)):
-            m.forget()
+# The quantized weights are derived copies like any other (ops.weight_cache): the one forget drops them.
+forget_quantized_weights = forget_weight_copies

@@ -18,6 +18,7 @@ from torch import nn
 
 from nemo_rz import ops
 from nemo_rz.models.moe import GptOssExperts, Qwen3MoeExperts
+from nemo_rz.ops.weight_cache import derived, forget_weight_copies
 from nemo_rz.quant.linear import Precision, dequantized
 
 
@@ -68,10 +69,10 @@ class QuantizedExperts(nn.Module):
             setattr(self, name, p)
         self.limit = getattr(experts, "limit", None)
         self.precision = precision
-        self._cache: dict[str, tuple] = {}
 
     def forget(self) -> None:
-        self._cache = {}
+        """Drop the quantized weights (and every other copy of these weights): ops.forget_weight_copies."""
+        forget_weight_copies(self)
 
     def extra_repr(self) -> str:
         return f"recipe={self.precision.recipe}, activations={self.precision.activation_scaling}"
@@ -81,16 +82,17 @@ class QuantizedExperts(nn.Module):
         return dequantized(x, self.precision.recipe, role, self.precision.activation_scaling == "row")
 
     def quantized_weight(self, name: str) -> torch.Tensor:
-        """[E, in, out] float32: each expert's weight quantized along `in`, once per weight version."""
-        w = getattr(self, name)
-        key = (None if w.is_inference() else w._version, w.data_ptr(), w.dtype)
-        cached = self._cache.get(name)
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                out_in = w.detach() if self.family.out_in else w.detach().transpose(1, 2)
-                values = torch.stack([self.quantize(out_in[e], "weight") for e in range(w.shape[0])])
-            cached = self._cache[name] = (key, values.transpose(1, 2).contiguous())
-        return cached[1]
+        """[E, in, out] float32: each expert's weight quantized along `in`, once per weight version (kept on the
+        weight by ops.weight_cache; after writes through `.data`, ops.forget_weight_copies)."""
+        w, p = getattr(self, name), self.precision
+        return derived(w, "quant.experts", lambda: self._quantized_values(w), p.recipe, p.activation_scaling,
+                       self.family.out_in)
+
+    @torch.no_grad()
+    def _quantized_values(self, w: torch.Tensor) -> torch.Tensor:
+        out_in = w.detach() if self.family.out_in else w.detach().transpose(1, 2)
+        values = torch.stack([self.quantize(out_in[e], "weight") for e in range(w.shape[0])])
+        return values.transpose(1, 2).contiguous()
 
     def _weight(self, name: str) -> torch.Tensor:
         value = self.quantized_weight(name)

@@ -2,12 +2,12 @@
 
 Every side (learner, built-in engine, vLLM) quantizes the same high-precision master weights with the same
 deterministic function, so their quantized weights agree bit for bit by construction. The weight is quantized
-once per weight version (keyed, as ops/gemm.py keys its weight copy, by the version counter and data pointer).
+once per weight version (kept on the weight by ops.weight_cache, as ops/gemm.py keeps its weight copy).
 
 Arithmetic: on CPU the codes are dequantized (exact in fp32: an element times its block's decode multiplier,
 the one rounding QTensor.dequantize does) and the product is ops.linear's, so consistent mode keeps its fixed
 reduction order with fp32 accumulation and fast mode is the library GEMM (the negative control). On CUDA in
-consistent mode the Triton kernel dequantizes in the tile (kernels/quant_matmul.py).
+consistent mode the Triton kernel dequantizes in the tile (nemo_rz/kernels/quant_matmul.py).
 
 Activations are quantized per row in the recipes with a tensor-wide scale (activation_scaling="row"); TE's
 exact per-tensor form ("tensor") makes a token's bits depend on its batch mates. Gradients are straight-through
@@ -23,6 +23,7 @@ from torch import nn
 
 from nemo_rz import ops
 from nemo_rz.ops.dispatch import on_gpu_kernels
+from nemo_rz.ops.weight_cache import derived, forget_weight_copies
 from nemo_rz.quant.qtensor import QTensor
 from nemo_rz.quant.recipes import RECIPES, quantize
 
@@ -80,6 +81,12 @@ def dequantized(x: torch.Tensor, recipe: str, role: str, row_local: bool = True)
     return quantize(x.detach(), recipe, role, row_local=row_local).dequantize()
 
 
+@torch.no_grad()
+def _quantized_values(weight: torch.Tensor, recipe: str) -> tuple[QTensor | None, torch.Tensor]:
+    q = quantize_weight(weight, recipe)
+    return q, dequantized(weight, "bf16", "weight") if q is None else q.dequantize()
+
+
 class _StraightThrough(torch.autograd.Function):
     """Forward: `product()`, the layer's output from the already-quantized operands; backward: straight-through
     to x and the master weight, dgrad with Q(W) and wgrad with Q(x)."""
@@ -110,10 +117,10 @@ class QuantizedLinear(nn.Module):
         if not precision.enabled:
             raise ValueError("QuantizedLinear: precision.recipe=none needs no quantized layer")
         self.weight, self.bias, self.precision = weight, bias, precision
-        self._cache: tuple | None = None  # (key, QTensor | None, float32 dequantized weight)
 
     def forget(self) -> None:
-        self._cache = None
+        """Drop the quantized weight (and every other copy of this layer's weights): ops.forget_weight_copies."""
+        forget_weight_copies(self)
 
     def extra_repr(self) -> str:
         p = self.precision
@@ -121,16 +128,11 @@ class QuantizedLinear(nn.Module):
         return f"in={w.shape[1]}, out={w.shape[0]}, recipe={p.recipe}, activations={p.activation_scaling}"
 
     def quantized_weight(self) -> tuple[QTensor | None, torch.Tensor]:
-        """(QTensor, its float32 values) of the current weight version, computed once per version. Writes through
-        `.data` bypass the version counter: call `forget` (quant.apply.forget_quantized_weights) after them."""
-        w = self.weight
-        key = (None if w.is_inference() else w._version, w.data_ptr(), w.dtype)
-        if self._cache is None or self._cache[0] != key:
-            with torch.no_grad():
-                q = quantize_weight(w, self.precision.recipe)
-                values = dequantized(w, "bf16", "weight") if q is None else q.dequantize()
-            self._cache = (key, q, values)
-        return self._cache[1], self._cache[2]
+        """(QTensor, its float32 values) of the current weight version, computed once per version and kept on the
+        weight (ops.weight_cache). Writes through `.data` bypass the version counter: call
+        ops.forget_weight_copies after them."""
+        w, recipe = self.weight, self.precision.recipe
+        return derived(w, "quant.linear", lambda: _quantized_values(w, recipe), recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.precision

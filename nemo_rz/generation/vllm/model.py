@@ -33,7 +33,7 @@ from nemo_rz.generation.vllm.attention import NemoRZAttentionBackend, PagedKVCac
 from nemo_rz.models.config import DTYPES
 from nemo_rz.models.decoder import Decoder, Tokens
 from nemo_rz.models.hf import CONFIG_FILE, PER_EXPERT, config_from_hf, ignored_tensor, stack_experts
-from nemo_rz.quant.apply import apply_precision, forget_quantized_weights
+from nemo_rz.quant.apply import apply_precision
 
 
 def decoder_config(vllm_config: VllmConfig):
@@ -148,8 +148,9 @@ class NemoRZForCausalLM(nn.Module):
             for name, tensor in stack_experts(per_expert, shapes).items():
                 self._load_one(params, name, tensor, default_weight_loader)
                 loaded.add("decoder." + name)
-        ops.forget_weight_copies(self)  # the loaders write through .data, which no version counter sees
-        forget_quantized_weights(self)
+        # The loaders write through .data, which no version counter sees: drop every copy derived from the old
+        # weights (GEMM operands, expert layouts, float32 and quantized copies; ops.weight_cache).
+        ops.forget_weight_copies(self)
         return loaded
 
     @staticmethod
