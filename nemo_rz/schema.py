@@ -404,6 +404,11 @@ def _check_model(plain: dict) -> None:
         most = f"; at most {max(fits)} heads for hidden_size {hidden}" if fits else ""
         raise ConfigError(f"model.num_heads = {heads}: head_dim = hidden_size // num_heads = {hidden} // {heads} = "
                           f"{head_dim}, but RoPE needs an even head_dim >= 2{most}")
+    d = plain["draft"]
+    outside = [i for i in d["aux_layers"] or () if i >= m["num_layers"]]
+    if d["mode"] not in ("off", False) and outside:
+        raise ConfigError(f"draft.aux_layers = {d['aux_layers']}: layer {outside[0]} is outside the model's "
+                          f"{m['num_layers']} layers (model.num_layers); name layers 0..{m['num_layers'] - 1}")
     if m["num_experts"] and m["num_experts_per_tok"] > m["num_experts"]:
         raise ConfigError(f"model.num_experts_per_tok = {m['num_experts_per_tok']}: more than model.num_experts = "
                           f"{m['num_experts']}; route each token to at most num_experts experts")
@@ -453,7 +458,7 @@ def _check_cpus(plain: dict, cpus: int) -> None:
 
 def memory_need(plain: dict, shape: Shape) -> dict[str, float]:
     """A lower bound on the bytes a run holds at once, by part. Weights: the learner's (with gradients and Adam's
-    two moments), max_lag + 1 kept versions, one copy per rollout worker. Rollout: each worker's KV cache, a slot
+    two moments), max_lag + 1 kept versions, one copy per rollout worker (the draft's too). Rollout: each worker's KV cache, a slot
     per row of a batch, each of at least max_new_tokens + 1 positions. Activations: the autograd tensors of the
     learner's step (RL: 2+ tokens per row; warm-up: 3+), per token at least 4 x hidden + 3 x MLP features per
     layer and 2 x vocabulary logits, float32."""
@@ -467,6 +472,11 @@ def memory_need(plain: dict, shape: Shape) -> dict[str, float]:
     params = shape.vocab * h * (1 if shape.tied else 2) + layers * (attn + mlp)
     workers = r["rollout_workers"]
     weights = 4 * params * (4 + a["max_lag"] + 1 + workers)
+    d = plain["draft"]
+    if d["mode"] not in ("off", False):  # dense layers of the target's width, trained (Adam) and shipped to every worker
+        aux = len(d["aux_layers"]) if d["aux_layers"] else 3
+        draft = d["num_layers"] * (attn + 3 * h * shape.inter) + (aux + 2) * h * h
+        weights += 4 * draft * ((4 if d["mode"] == "cotrain" else 1) + a["max_lag"] + 1 + workers)
     rows = a["prompts_per_update"] * a["group_size"]
     kv_bytes = 2 if r["rollout_dtype"] == "bfloat16" else 4
     kv = workers * rows * (a["max_new_tokens"] + 1) * layers * 2 * shape.kv * shape.head_dim * kv_bytes
@@ -485,7 +495,7 @@ def _total(need: dict[str, float]) -> float:
 # keys whose value the memory need grows with (a fresh model's dimensions only without hf_path)
 _MEMORY_KEYS = ("algo.prompts_per_update", "warmup.batch_size", "algo.group_size", "algo.max_new_tokens",
                 "runtime.rollout_workers", "algo.max_lag", "model.num_layers", "model.hidden_size",
-                "model.intermediate_size", "model.moe_intermediate_size", "model.num_experts")
+                "model.intermediate_size", "model.moe_intermediate_size", "model.num_experts", "draft.num_layers")
 
 
 def _largest_fitting(plain: dict, key: str, avail: float) -> int | None:
@@ -527,7 +537,8 @@ def _check_memory(plain: dict, shape: Shape, avail: int) -> None:
         return
     keys = [k for k in _MEMORY_KEYS if not (k.startswith("model.") and plain["model"]["hf_path"] is not None)
             and not (k == "warmup.batch_size" and plain["warmup"]["steps"] == 0)
-            and not (k.startswith("model.") and "expert" in k and not plain["model"]["num_experts"])]
+            and not (k.startswith("model.") and "expert" in k and not plain["model"]["num_experts"])
+            and not (k == "draft.num_layers" and plain["draft"]["mode"] in ("off", False))]
     defaults = _defaults()
     best = None  # the key raised most above its default that alone can bring the need down to what is available
     for key in keys:

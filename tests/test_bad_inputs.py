@@ -131,6 +131,10 @@ CASES = {
                                                     "64 = 1, but RoPE needs an even head_dim >= 2; at most 32 heads"),
     "experts per token": (lambda t: ["model.num_experts=2", "model.num_experts_per_tok=3"],
                           "model.num_experts_per_tok = 3: more than model.num_experts = 2"),
+    "a million draft layers": (lambda t: ["draft.mode=cotrain", "draft.num_layers=1000000"],
+                               "draft.num_layers = 1000000: the run needs at least"),
+    "draft layer outside the model": (lambda t: ["draft.mode=cotrain", "draft.aux_layers=[0,5]"],
+                                      "draft.aux_layers = [0, 5]: layer 5 is outside the model's 2 layers"),
     "no room for a prompt": (lambda t: ["algo.max_new_tokens=64"],
                              "algo.max_new_tokens = 64: leaves no room for a prompt in the model's 64 positions"),
     "reverse of 100000 digits": (lambda t: ["task.name=reverse", "task.options.max_len=100000"],
@@ -181,7 +185,7 @@ def test_bad_input_is_one_line_exit_2_before_any_work(tmp_path, capsys, case):
     assert not (tmp_path / "fresh" / "metrics.jsonl").exists()
     if before is not None:
         assert saved.read_bytes() == before  # a refused resume changes nothing
-    if not case.startswith(("path", "heldout_path", "row", "answer", "min_len")):  # those are read when the task is built
+    if not case.startswith(("row", "answer")):  # the rows are read when the task is built
         assert not (tmp_path / "fresh" / config.RUN_CONFIG).exists()
 
 

@@ -99,11 +99,18 @@ def test_a_literal_dollar_brace_survives_the_run_config(tmp_path):
         config.load(None, [f"resume={run}"])
 
 
-def test_task_options_are_checked_and_typed_with_the_config():
-    cfg = config.load(None, ["task.name=jsonl", "task.options.heldout_fraction=1", "task.options.seed=3"])
+def test_task_options_are_checked_and_typed_with_the_config(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    jsonl = ["task.name=jsonl", f"task.options.path={data}"]
+    cfg = config.load(None, jsonl + [f"task.options.heldout_path={data}", "task.options.heldout_fraction=1"])
     assert cfg.task.options.heldout_fraction == 1.0 and isinstance(cfg.task.options.heldout_fraction, float)
     with pytest.raises(ConfigError, match="task.options.require_eos = 'maybe': expected true or false"):
-        config.load(None, ["task.name=jsonl", "task.options.require_eos=maybe"])
+        config.load(None, jsonl + ["task.options.require_eos=maybe"])
+    with pytest.raises(ConfigError, match=r"heldout_fraction must be in \(0, 1\) \(or give heldout_path\), got 1.0"):
+        config.load(None, jsonl + ["task.options.heldout_fraction=1"])  # checked together, with the config
+    with pytest.raises(ConfigError, match="task.options.heldout_path /dev/zero: cannot read it"):
+        config.load(None, jsonl + ["task.options.heldout_path=/dev/zero"])
 
 
 def test_size_checks_read_the_machine(monkeypatch):

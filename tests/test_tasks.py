@@ -306,12 +306,14 @@ def test_task_options_are_typed_per_task(name, options, match):
     assert "\n" not in str(e.value)
 
 
-def test_task_options_are_normalised():
+def test_task_options_are_normalised(tmp_path):
     from nemo_rz.tasks import options
     from nemo_rz.plugins import load
 
-    assert options.check("jsonl", load("task", "jsonl"), {"heldout_fraction": 1, "name": 2024, "path": None}) == \
-        {"heldout_fraction": 1.0, "name": "2024", "path": None}
+    path = write(tmp_path, _rows(3))
+    assert options.check("jsonl", load("task", "jsonl"), {"heldout_fraction": 1, "name": 2024, "path": path,
+                                                          "heldout_path": path}) == \
+        {"heldout_fraction": 1.0, "name": "2024", "path": path, "heldout_path": path}
     assert options.check("add2", load("task", "add2"), {"n_train": None}) == {"n_train": None}
 
     @options.limits(k=options.Range(1, 3))

@@ -17,7 +17,7 @@ from typing import Callable
 
 from nemo_rz.tasks import verifiers
 from nemo_rz.tasks.base import Problem, Task, split_indices, use_chat
-from nemo_rz.tasks.options import Range, limits
+from nemo_rz.tasks.options import Range, checked_by, limits
 from nemo_rz.tasks.tokenizer import CharTokenizer, Tokenizer
 
 MAX_PROBLEMS = 1_000_000  # n_train, n_heldout: every problem is built and held in memory
@@ -62,10 +62,15 @@ def _multiplication(digits: int) -> Space:
     return n * 10, problem, verifiers.numeric
 
 
-def _reverse(min_len: int, max_len: int) -> Space:
+def _check_lengths(options: dict) -> None:
+    min_len, max_len = options.get("min_len", 3), options.get("max_len", 5)
     if not 1 <= min_len <= max_len:
         raise ValueError(f"reverse task: task.options.min_len = {min_len} is more than task.options.max_len = {max_len}; "
                          "need 1 <= min_len <= max_len")
+
+
+def _reverse(min_len: int, max_len: int) -> Space:
+    _check_lengths({"min_len": min_len, "max_len": max_len})
     sizes = [10 ** L for L in range(min_len, max_len + 1)]
 
     def problem(i: int, chat: bool) -> Problem:
@@ -110,6 +115,7 @@ def multiplication(digits: int = 1, seed: int = 0, n_train: int | None = None, n
 @limits(**_SPLITS, min_len=Range(1, MAX_DIGITS), max_len=Range(1, MAX_DIGITS, why="digits per string: "
                                                                    "every problem is built in memory, and a prompt this long "
                                                                    "already needs a model of 520 positions"))
+@checked_by(_check_lengths)
 def reverse(min_len: int = 3, max_len: int = 5, seed: int = 0, n_train: int | None = None,
             n_heldout: int | None = None, tokenizer: Tokenizer | None = None, chat_template="auto",
             system_prompt: str | None = None) -> Task:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from nemo_rz.tasks.base import Problem, Task, use_chat
-from nemo_rz.tasks.options import Range, limits
+from nemo_rz.tasks.options import Range, checked_by, limits
 from nemo_rz.tasks.tokenizer import DEFAULT_CHARS, CharTokenizer, Tokenizer
 from nemo_rz.tasks.verifiers import VERIFIERS, check_answer
 
@@ -209,7 +209,25 @@ def _without_heldout(train: list[Problem], heldout: list[Problem], path, heldout
     return kept
 
 
+def _check_options(options: dict) -> None:
+    """With the config, before any work: the data files are regular, readable files of a size that can be read
+    (opened, not read), and a held-out fraction is in (0, 1)."""
+    from nemo_rz.config import open_regular
+
+    for key in ("path", "heldout_path"):
+        value = options.get(key)
+        if value is not None or key == "path":
+            what = f"task.options.{key}"
+            with open_regular(str(_open_path(value, what)), what, MAX_FILE_BYTES, "give the path of a JSONL file"):
+                pass
+    fraction = options.get("heldout_fraction", 0.1)
+    if options.get("heldout_path") is None and not 0 < fraction < 1:
+        raise ValueError(f"jsonl task {options.get('path')}: task.options.heldout_fraction must be in (0, 1) (or give "
+                         f"heldout_path), got {fraction}")
+
+
 @limits(seed=Range(0))
+@checked_by(_check_options)
 def jsonl_task(path: str | None = None, verifier: str = "exact", seed: int = 0, heldout_fraction: float = 0.1,
                heldout_path: str | None = None, name: str | None = None, require_eos: bool = True,
                tokenizer: Tokenizer | None = None, chat_template="auto", system_prompt: str | None = None) -> Task:

@@ -1,7 +1,7 @@
 """task.options, typed: each option's type comes from its task function's signature, its range from @limits.
 
 check(name, fn, options) returns the options with their declared types (an int given for a float becomes a
-float) or raises OptionError, one line naming task.options.KEY, the value and what is valid. The config is
+float), after the task's own @checked_by check of them together (if any), or raises OptionError, one line naming task.options.KEY, the value and what is valid. The config is
 checked with it (nemo_rz.schema) before any work, and make_task checks again for direct callers. A plugin task
 gets the same checks from its own annotations (int, float, bool, str, X | None, list[...]) and, optionally,
 @limits(...) ranges; an option without an annotation is checked against its default's type when that is a
@@ -52,6 +52,15 @@ def limits(**ranges: Range):
     """Declare ranges of a task function's options: @limits(n_train=Range(1), heldout_fraction=Range(0, 1, True, True))."""
     def mark(fn):
         fn.option_ranges = dict(getattr(fn, "option_ranges", {}), **ranges)
+        return fn
+    return mark
+
+
+def checked_by(check):
+    """Declare a check of a task's options together (e.g. min_len <= max_len, the data files are readable), run
+    with the config before any work: check(typed options given) raises ValueError, one line."""
+    def mark(fn):
+        fn.options_check = check
         return fn
     return mark
 
@@ -157,4 +166,10 @@ def check(name: str, fn, options: dict) -> dict:
         if not _accepts(tp, value) or (rng is not None and not rng.accepts(value)):
             raise OptionError(f"task.options.{key} = {_shown(value)}: expected {_expected(tp, rng)} (task {name})")
         out[key] = _normalised(tp, value)
+    together = getattr(_function(fn), "options_check", None)
+    if together is not None:
+        try:
+            together(out)
+        except ValueError as e:
+            raise OptionError(str(e)) from None
     return out
