@@ -473,6 +473,49 @@ def test_draft_loss_one_process_equals_training_loss(distill, monkeypatch):
     assert all(abs(wrong[k] - ref_metrics[k]) > 1e-4 * abs(ref_metrics[k]) for k in ("draft_loss_2", "draft_loss_3"))
 
 
+def _dense_softmax(q, keys, values, scale, shard, group):
+    """The negative control below: the draft's former plain-torch attention (one softmax over each root's step-1
+    entries 0..t and its own entries of steps 2..s) for a shard of equal-length sequences on one rank."""
+    n, heads, dim = q.shape
+    length = shard.cu_seqlens[1]
+    split = lambda t: t.view(-1, length, t.shape[1], dim).transpose(1, 2).repeat_interleave(heads // t.shape[1], 1)
+    qs = split(q)
+    main = (qs @ split(keys[0]).transpose(-1, -2) * scale).masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(),
+                                                                       float("-inf"))
+    p = torch.softmax(torch.cat([main, *[(qs * split(k)).sum(-1, keepdim=True) * scale for k in keys[1:]]], -1), -1)
+    out = p[..., :length] @ split(values[0])
+    for j, v in enumerate(values[1:]):
+        out = out + p[..., length + j : length + j + 1] * split(v)
+    return out.transpose(1, 2).reshape(n, heads, dim)
+
+
+def test_draft_dense_batch_is_the_packed_rows_bits(monkeypatch):
+    """DraftHead.training_loss's [B, T] batch (DraftHead.branches) attends through the same core as cp_draft_loss
+    (parallel.context on one rank), so every root's states at every step are the packed row's bits, whatever the
+    padding. Negative control: the draft's former dense softmax in the batch agrees only within rounding."""
+    target, draft, ids, mask, (aux, final) = _draft_setup()
+
+    def states(fn):
+        out = []
+        hook = draft.layers[-1].register_forward_hook(lambda _m, _a, x: out.append(x.detach()))
+        try:
+            with torch.no_grad():
+                fn()
+        finally:
+            hook.remove()
+        return out
+
+    packed = states(lambda: cp_draft_loss(draft, target, aux, final, ids, mask, _cu(), DRAFT_STEPS, DRAFT_TEMPERATURE))
+    batch = lambda: list(draft.branches(target, _padded(aux).flatten(0, 1), _padded(ids), DRAFT_STEPS))
+    rows = torch.cat([s * max(LENGTHS) + torch.arange(n) for s, n in enumerate(LENGTHS)])  # the row's tokens in the batch
+    dense = states(batch)
+    assert len(dense) == len(packed) == DRAFT_STEPS
+    assert all(torch.equal(d[rows], p) for d, p in zip(dense, packed))
+    monkeypatch.setattr(context, "_draft_attention", _dense_softmax)
+    softmax = states(batch)
+    assert all(_close(d[rows], p) for d, p in zip(softmax, packed)) and not torch.equal(softmax[0][rows], packed[0])
+
+
 def test_draft_loss_bad_input_is_one_clear_error():
     target, draft, ids, mask, (aux, final) = _draft_setup()
     with pytest.raises(ValueError, match=r"aux \(465, 192\): need this rank's 466 tokens"):

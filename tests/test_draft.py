@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from nemo_rz import ops
 from nemo_rz.algorithms import group_advantages
 from nemo_rz.algorithms.draft import DraftTrainer, summary
 from nemo_rz.generation import RolloutEngine, SamplingParams
@@ -60,6 +61,34 @@ def test_training_time_test_computes_what_inference_computes():
                 g = draft.step(MODEL, g, ids[0, pos + 1 : pos + 2], torch.tensor([pos]), torch.zeros(1, dtype=torch.long), cache)
                 assert torch.allclose(g[0], branch[s][0, root], atol=1e-5, rtol=1e-4)
                 assert not torch.allclose(wrong[0], branch[s][0, root], atol=1e-3)  # control: without its context
+
+
+def test_training_time_test_is_the_inference_bits():
+    """The training-time test's attention is ops.attention's consistent core (parallel.context's branch attention
+    on one rank) and its layers the draft's own Blocks, so step s of the branch rooted at P is the engine's bits,
+    for roots on both sides of a key block's end and branches spilling into the next block. Negative control:
+    the engine's path with the library's kernels (fast mode)."""
+    torch.manual_seed(0)
+    draft = DraftHead(MODEL.config, (0, 1, 2), num_layers=2)
+    ids = torch.randint(0, MODEL.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(3))
+    aux = _features(MODEL, draft.aux_layers, ids)
+
+    def engine(root):
+        cache, n = draft.new_cache(1, 64), root + 1
+        g = draft.step(MODEL, draft.fc(aux[:n]), ids[0, 1 : n + 1], torch.arange(n), torch.zeros(n, dtype=torch.long), cache)[-1:]
+        out = [g[0]]
+        for pos in (root + 1, root + 2):
+            g = draft.step(MODEL, g, ids[0, pos + 1 : pos + 2], torch.tensor([pos]), torch.zeros(1, dtype=torch.long), cache)
+            out.append(g[0])
+        return out
+
+    with torch.no_grad():
+        branch = dict(draft.branches(MODEL, aux, ids, 3))
+        for root in (0, 5, 29, 30, 31, 32, 44):
+            assert all(torch.equal(got, branch[s][0, root]) for s, got in enumerate(engine(root), 1)), root
+        with ops.mode("fast"):
+            fast = engine(30)
+    assert not all(torch.equal(got, branch[s][0, 30]) for s, got in enumerate(fast, 1))
 
 
 def _batch(seed=0):

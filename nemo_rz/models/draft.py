@@ -13,7 +13,9 @@ yet): step s of a branch rooted at t sits at position t + s - 1 and attends to t
 positions <= t (made from target features) and to its branch's earlier steps.
 
 Training runs all s = 1..steps at once for every root (the "training-time test"), with the same attention
-pattern; inference runs the same layers against a KV cache. With the target's final hidden states (the learner's
+pattern, computed by ops.attention's consistent core (through parallel.context's ring and branch attention, on
+one rank for a [B, T] batch); inference runs the same layers against a KV cache. Both are the draft's own
+Blocks, so in consistent mode a root's training states are the engine's bits. With the target's final hidden states (the learner's
 forward has them) the loss is distillation, the cross-entropy against the target's own distribution over the
 draft vocabulary: rejection sampling accepts sum_x min(p, q), so q must match p, and a whole distribution per
 token teaches that far faster than the one token sampled from it. The draft only proposes: which tokens are kept

@@ -53,9 +53,10 @@ A draft's training-time test (`cp_draft_loss`): each rank runs the draft's own l
 shard's roots, step 1's attention through `ring_attention` and step s's through `branch_attention` with that
 step's queries only (the branch, the root's steps 2..s, is rank-local). Every root's states and loss term are the
 bits one process computes, and the loss adds the terms in row order, so it is too; the draft's parameter
-gradients (`reduce_gradients`) equal one process's within float32 rounding. On one process it computes
-DraftHead.training_loss of the sequences padded into a batch within float32 rounding (that one's attention is a
-dense softmax).
+gradients (`reduce_gradients`) equal one process's within float32 rounding. DraftHead.training_loss of the
+sequences padded into a [B, T] batch runs the same layers and `_draft_attention` on one rank (the batch's rows
+as a packed row): every root's states are the same bits, and the losses agree within float32 rounding (they
+add the terms in other orders).
 """
 from __future__ import annotations
 
