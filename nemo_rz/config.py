@@ -109,10 +109,16 @@ def read_regular(path, what: str, max_bytes: int, hint: str = "give the path of 
     return data
 
 
-def _yaml_error(e: Exception, what: str, path) -> ConfigError:
+def _yaml_error(e: Exception, what: str, path, text: str = "") -> ConfigError:
     """One line for any YAML problem: what, the file, line and column, and what to do."""
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
     at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    if isinstance(e, yaml.reader.ReaderError):  # a character YAML does not allow: a position, not a mark
+        line = text[:e.position].count("\n") + 1
+        column = e.position - (text.rfind("\n", 0, e.position) + 1) + 1
+        char = e.character if isinstance(e.character, int) else ord(e.character[:1] or "\0")
+        return ConfigError(f"{what} {path}: not valid YAML (character U+{char:04X} is not allowed, at line {line}, "
+                           f"column {column}); fix the file")
     reason = getattr(e, "problem", None) or str(e)
     context = getattr(e, "context", None)
     if context and getattr(e, "problem", None):
@@ -160,7 +166,7 @@ def read_yaml(path: Path, what: str) -> DictConfig:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)  # the node graph: aliases are not expanded yet
     except yaml.YAMLError as e:
-        raise _yaml_error(e, what, path) from None
+        raise _yaml_error(e, what, path, text) from None
     except RecursionError:
         raise ConfigError(f"{what} {path}: nested too deeply to read; a config is a mapping of a few levels, like "
                           "conf/default.yaml") from None
@@ -176,7 +182,7 @@ def read_yaml(path: Path, what: str) -> DictConfig:
     try:
         return OmegaConf.create(text)  # OmegaConf's own loader (e.g. 1e-3 is a float there; duplicate keys refused)
     except yaml.YAMLError as e:
-        raise _yaml_error(e, what, path) from None
+        raise _yaml_error(e, what, path, text) from None
     except OmegaConfBaseException as e:
         reason = " ".join(str(e).split("\n")[0].split()) or type(e).__name__
         raise ConfigError(f"{what} {path}: cannot read it as a config ({reason}); fix the file") from None

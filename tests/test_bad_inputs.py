@@ -102,6 +102,9 @@ CASES = {
     "--config syntax error": (lambda t: ["--config", str(_write(t, "syn.yaml", "algo:\n  lr: 1\n bad: [\n"))],
                               "syn.yaml: not valid YAML (while parsing a block mapping, expected <block end>, but found "
                               "'<block mapping start>' at line 3, column 2); fix the file"),
+    "--config control character": (lambda t: ["--config", str(_write(t, "ctl.yaml", "seed: 1\nalgo:\n  lr: \x01\n"))],
+                                   "ctl.yaml: not valid YAML (character U+0001 is not allowed, at line 3, column 7); "
+                                   "fix the file"),
     "--config duplicate key": (lambda t: ["--config", str(_write(t, "dup.yaml", "algo:\n  lr: 1\nalgo:\n  lr: 2\n"))],
                                "dup.yaml: not valid YAML (while constructing a mapping, found duplicate key algo at line 3, column 1)"),
     "--config /dev/zero": (lambda t: ["--config", "/dev/zero"],
