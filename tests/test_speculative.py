@@ -69,8 +69,9 @@ def test_logprobs_equal_the_learners_and_greedy_tokens_equal_plain_decoding(draf
 
 
 def test_a_perturbed_verify_pass_is_caught(draft, monkeypatch):
-    """Negative control at the verify pass itself: scoring the k + 1 rows with the library log-softmax."""
-    import nemo_rz.generation.speculative as spec_mod
+    """Negative control at the verify pass itself: scoring the k + 1 rows with the library log-softmax (the
+    engine scores every step's rows, the verified ones among them)."""
+    import nemo_rz.generation.engine as engine_mod
 
     class Perturbed:
         def __getattr__(self, name):
@@ -80,7 +81,7 @@ def test_a_perturbed_verify_pass_is_caught(draft, monkeypatch):
         def log_softmax(logits, temperature=1.0):
             return torch.log_softmax(logits.float() / temperature, -1)
 
-    monkeypatch.setattr(spec_mod, "ops", Perturbed())
+    monkeypatch.setattr(engine_mod, "ops", Perturbed())
     out = _speculative(draft).generate(PROMPTS, SamplingParams(16, temperature=1.0, seed=3))
     assert count_diff(MODEL, out)[0] > 0
 
@@ -145,9 +146,10 @@ def test_sampled_tokens_follow_the_target_distribution(draft_vocab):
     assert chi2_p(counts) > 1e-3
 
     class AcceptAll(Speculator):
-        def admit(self, engine, req):
-            super().admit(engine, req)
-            self._state[id(req)].accept_u = [0.0] * req.params.max_new_tokens
+        def admit(self, req, cached):
+            cached = super().admit(req, cached)
+            req.policy_state.accept_u = [0.0] * req.params.max_new_tokens
+            return cached
 
     n = 600
     broken = _joint_counts(RolloutEngine(target, max_batch_size=64, speculator=AcceptAll(head, 2)), prompt, n, vocab)

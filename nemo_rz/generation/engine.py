@@ -1,9 +1,15 @@
 """The built-in rollout engine: continuous batching over a KV cache, prefix reuse, seeded sampling.
 
-Every step runs one forward over a mix of prompt chunks (prefill) and last tokens (decode) of the running
-requests. Queued requests take a slot as soon as one frees, while the others keep decoding. The logprob
-recorded for a sampled token comes from `nemo_rz.ops.log_softmax`, the same arithmetic the learner's
-`Decoder.token_logprobs` uses, so in consistent mode the two are bitwise equal.
+Every step runs one forward over a mix of prompt chunks (prefill) and query tokens (decode) of the running
+requests: schedule -> forward -> score -> emit. Queued requests take a slot as soon as one frees, while the
+others keep decoding. The logprob recorded for an emitted token comes from `nemo_rz.ops.log_softmax`, the
+same arithmetic the learner's `Decoder.token_logprobs` uses, so in consistent mode the two are bitwise equal.
+
+What a decoding request feeds in a step and what it emits is the step policy's (`StepPolicy`): `PlainPolicy`
+feeds its last token and samples one token from that row; a speculative policy
+(nemo_rz.generation.speculative.SpeculativePolicy) also feeds a draft's proposals and keeps the prefix of them the
+target's rows accept. Either way every scored row is a target row like any other, computed in the same batched
+forward, and the loop around them is this one.
 
 Sampling is inverse-CDF over the full distribution, all rows at once, with one uniform per token drawn from
 the request's own seeded generator when the request is admitted: a request's tokens depend on its seed, not
@@ -15,36 +21,97 @@ import collections
 import contextlib
 import dataclasses
 import math
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from nemo_rz import ops
 from nemo_rz.generation.prefix_cache import PrefixCache
-from nemo_rz.generation.sampling import Completion, SamplingParams, checked_requests
+from nemo_rz.generation.sampling import Completion, Request, SamplingParams, checked_requests, sample
 from nemo_rz.models.decoder import Decoder
-from nemo_rz.models.draft import split_state
 from nemo_rz.models.moe import recorded_routing
 
 
-
 @dataclasses.dataclass
-class _Request:
-    index: int
-    prompt: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    slot: int = -1
-    computed: int = 0  # tokens whose keys/values are in the cache
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)  # float32 values, exact as Python floats
-    prompt_stored: bool = False
-    uniforms: list[float] | None = None  # one draw from `generator` per token to sample, drawn on admission
-    routing: list[torch.Tensor] = dataclasses.field(default_factory=list)  # MoE models: experts per sampled token
+class Query:
+    """One running request's share of a step: `tokens` at positions start.., rows first.. of the forward, and
+    its rows of the step's logprobs (`scored`): every row of a decoding request's query, the last row of a
+    prompt's final chunk, none for an earlier chunk."""
 
-    @property
-    def sequence(self) -> list[int]:
-        return self.prompt + self.tokens
+    request: Request
+    tokens: list[int]
+    start: int
+    first: int
+    scored: range
+
+
+class StepPolicy(Protocol):
+    """What each decoding request feeds a step and emits from it. The engine calls, once: bind; per weight
+    version: load_weights; when it allocates its cache: prepare; per request: admit ... release; per step:
+    query_tokens before the forward, observe around it, consume after it (with the scored rows' logprobs)."""
+
+    max_query_tokens: int  # the most tokens query_tokens gives a request (sizes sliding-window rings)
+
+    def bind(self, model: Decoder, stats: collections.Counter) -> None:
+        """The target the engine runs and the engine's counters (one engine per policy)."""
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Load the policy's own weights from a policy state dict; return the target's."""
+
+    def prepare(self, slots: int, max_len: int) -> None:
+        """Per-slot state for `slots` requests of up to `max_len` tokens."""
+
+    def admit(self, req: Request, cached: int) -> int:
+        """A new request whose first `cached` prompt tokens are in the cache (prefix hit); returns how many of
+        them to keep (the engine computes the rest of the prompt)."""
+
+    def query_tokens(self, decoding: list[Request]) -> list[list[int]]:
+        """The tokens each decoding request feeds this step: its last token, then any proposals."""
+
+    def observe(self, model: Decoder) -> contextlib.AbstractContextManager:
+        """A context around the step's target forward."""
+
+    def consume(self, queries: list[Query], logp: torch.Tensor | None) -> list[list[int]]:
+        """The tokens each query emits, from its scored rows of logp [scored rows, V] (None: no row scored).
+        n tokens come from rows 0..n-1, and the first n - 1 are the query's own tokens 1..n-1 (accepted
+        proposals): their cache entries stay, those of the rest of the query are dropped."""
+
+    def release(self, req: Request, clear: bool) -> None:
+        """A finished request; `clear`: its slot held non-finite values."""
+
+
+class PlainPolicy:
+    """Plain decoding: a decoding request feeds its last token and samples the next from that row."""
+
+    max_query_tokens = 1
+
+    def bind(self, model, stats) -> None:
+        pass
+
+    def load_weights(self, state_dict):
+        return state_dict
+
+    def prepare(self, slots, max_len) -> None:
+        pass
+
+    def admit(self, req, cached):
+        return cached
+
+    def query_tokens(self, decoding):
+        return [[req.tokens[-1]] for req in decoding]
+
+    def observe(self, model):
+        return contextlib.nullcontext()
+
+    def consume(self, queries, logp):
+        if logp is None:
+            return [[] for _ in queries]
+        tokens = iter(sample(logp, [q.request for q in queries if q.scored]).tolist())
+        return [[next(tokens)] if q.scored else [] for q in queries]
+
+    def release(self, req, clear) -> None:
+        pass
 
 
 class RolloutEngine:
@@ -53,7 +120,8 @@ class RolloutEngine:
     max_batch_size: concurrent requests (KV-cache slots); max_model_len: prompt + completion limit;
     prefill_chunk: split long prompts into chunks of this many tokens (None: whole prompt in one step);
     prefix_cache_blocks: blocks of 16 tokens kept for prefix reuse (0 disables it);
-    speculator: a `nemo_rz.generation.speculative.Speculator` (draft-and-verify steps), or None for plain steps.
+    policy: the step policy (`StepPolicy`; default `PlainPolicy`); speculator: a speculative policy
+    (`nemo_rz.generation.speculative.Speculator`, draft-and-verify steps), the same as passing it as `policy`.
     """
 
     def __init__(
@@ -66,11 +134,14 @@ class RolloutEngine:
         seed: int = 0,
         weight_version: int = 0,
         speculator=None,
+        policy: StepPolicy | None = None,
     ):
         if max_batch_size < 1:
             raise ValueError(f"RolloutEngine: max_batch_size = {max_batch_size}: must be >= 1")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"RolloutEngine: prefill_chunk = {prefill_chunk}: must be >= 1 or None")
+        if policy is not None and speculator is not None:
+            raise ValueError("RolloutEngine: pass a speculator or a policy, not both (a speculator is a policy)")
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len or min(model.config.max_position_embeddings, 1024)
@@ -81,62 +152,59 @@ class RolloutEngine:
         self._requests_seen = 0
         self._cache = None
         self.stats = collections.Counter()
-        self.speculator = speculator
-        if speculator is not None:
-            speculator.draft.check_target(model)
+        self.policy = policy or speculator or PlainPolicy()
+        self.policy.bind(model, self.stats)
+
+    @property
+    def speculator(self):
+        """The speculative policy, or None for plain steps."""
+        return None if isinstance(self.policy, PlainPolicy) else self.policy
 
     # -- weights -----------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load new weights between generate calls; cached prefixes of the old weights are dropped. With a
-        speculator, the draft's weights come in the same dict (keys under `draft.`)."""
-        if self.speculator is not None:
-            state_dict, draft = split_state(state_dict)
-            if draft is not None:
-                self.speculator.load(draft)
-        self.model.load_state_dict(state_dict, strict=True)
+        """Load new weights between generate calls; cached prefixes of the old weights are dropped. The
+        policy takes its own share first (a speculator: its draft's weights, keys under `draft.`)."""
+        self.model.load_state_dict(self.policy.load_weights(state_dict), strict=True)
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         self.weight_version = int(version)
 
     # -- generation --------------------------------------------------------------------------------
-    def _requests(self, prompts, params) -> list[_Request]:
+    def _requests(self, prompts, params) -> list[Request]:
         checked = checked_requests(prompts, params, self.model.config.vocab_size, self.max_model_len, self.seed, self._requests_seen)
         self._requests_seen += len(checked)
-        return [_Request(i, prompt, p, torch.Generator().manual_seed(seed)) for i, (prompt, p, seed) in enumerate(checked)]
+        return [Request(i, prompt, p, torch.Generator().manual_seed(seed)) for i, (prompt, p, seed) in enumerate(checked)]
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], progress=None) -> list[Completion]:
         waiting = collections.deque(self._requests(prompts, params))
+        policy = self.policy
         if self._cache is None or self._cache.max_len < self.max_model_len:
             self._cache = self.model.new_cache(self.max_batch_size, self.max_model_len, step_tokens=self._step_tokens())
-        spec = self.speculator
-        if spec is not None:
-            spec.prepare(self.max_batch_size, self._cache.max_len)
-        step = self._step if spec is None else (lambda reqs: spec.step(self, reqs))
+            policy.prepare(self.max_batch_size, self._cache.max_len)
         free = list(range(self.max_batch_size - 1, -1, -1))
-        running: list[_Request] = []
+        running: list[Request] = []
         done: dict[int, Completion] = {}
         while waiting or running:
             while waiting and free:
                 req = waiting.popleft()
                 req.slot = free.pop()
-                if self.prefix_cache is not None:
-                    req.computed = self.prefix_cache.load(req.prompt, len(req.prompt) - 1, self._cache, req.slot)
-                    self.stats["prefix_hit_tokens"] += req.computed
                 if req.params.temperature != 0:
                     req.uniforms = torch.rand(req.params.max_new_tokens, generator=req.generator, dtype=torch.float64).tolist()
-                if spec is not None:
-                    spec.admit(self, req)
+                cached = 0
+                if self.prefix_cache is not None:
+                    cached = self.prefix_cache.load(req.prompt, len(req.prompt) - 1, self._cache, req.slot)
+                req.computed = policy.admit(req, cached)
+                self.stats["prefix_hit_tokens"] += req.computed
                 running.append(req)
-            for req in step(running):
+            for req in self._step(running):
                 running.remove(req)
                 free.append(req.slot)
                 finite = all(math.isfinite(x) for x in req.logprobs)
                 if not finite:
                     self._clear_slot(req.slot)  # non-finite keys/values must not leak to the slot's next request
-                if spec is not None:
-                    spec.release(req, clear=not finite)
+                policy.release(req, clear=not finite)
                 done[req.index] = Completion(
                     req.prompt, req.tokens, torch.tensor(req.logprobs, dtype=torch.float32), self.weight_version,
                     "stop" if req.tokens[-1] in req.params.stop_token_ids else "length",
@@ -148,96 +216,103 @@ class RolloutEngine:
 
     def _step_tokens(self) -> int | None:
         """The most tokens one step computes for a request (None: a whole prompt), which sizes sliding-window
-        layers' caches: a prefill chunk, or a speculative step's k + 1 target positions."""
+        layers' caches: a prefill chunk, or the policy's longest query."""
         if self.prefill_chunk is None:
             return None
-        return max(self.prefill_chunk, 1 if self.speculator is None else self.speculator.k + 1)
+        return max(self.prefill_chunk, self.policy.max_query_tokens)
 
     def _clear_slot(self, slot: int) -> None:
         for k, v in zip(self._cache.k, self._cache.v):
             k[slot].zero_()
             v[slot].zero_()
 
-    def _span(self, req: _Request) -> list[int]:
-        """The tokens this step computes for `req`: the rest of its sequence, or the next prefill chunk."""
-        prompt, tokens, start = req.prompt, req.tokens, req.computed
-        n_prompt = len(prompt)
-        total = n_prompt + len(tokens)
-        end = total if self.prefill_chunk is None else min(total, start + self.prefill_chunk)
-        if start >= n_prompt:
-            return tokens[start - n_prompt : end - n_prompt]
-        return prompt[start:end] + (tokens[: end - n_prompt] if end > n_prompt else [])
+    def _prompt_chunk(self, req: Request) -> list[int]:
+        """The prompt tokens this step computes for a prefilling request: the rest, or the next chunk."""
+        end = len(req.prompt) if self.prefill_chunk is None else min(len(req.prompt), req.computed + self.prefill_chunk)
+        return req.prompt[req.computed : end]
 
-    def _step(self, running: list[_Request]) -> list[_Request]:
-        """One forward over all running requests; returns those that finished."""
+    def _step(self, running: list[Request]) -> list[Request]:
+        """One forward over all running requests: schedule -> forward -> score -> emit. Returns the requests
+        that finished."""
+        policy, model = self.policy, self.model
+        queries, batch, rows = self._schedule(running)
+        routed = recorded_routing(model) if model.config.num_experts else contextlib.nullcontext({})
+        with routed as routing, policy.observe(model):
+            hidden = model.step(batch[0], batch[1], batch[2], self._cache)
+        logp = self._score(queries, hidden, rows) if rows else None
+        emitted = policy.consume(queries, logp)
+        # MoE models: the experts each MoE layer chose for the scored rows
+        experts = torch.cat([log[0] for log in routing.values()], 1)[rows].to(torch.int16) if routing else None
+        return self._emit(queries, emitted, logp, experts)
+
+    def _schedule(self, running: list[Request]) -> tuple[list[Query], torch.Tensor, list[int]]:
+        """Each request's query (a decoding request feeds what the policy gives it, a prefilling one its next
+        prompt chunk); the batch [3, N] of token ids, positions and cache slots; the rows to score."""
+        decode_queries = iter(self.policy.query_tokens([req for req in running if req.tokens]))
+        queries: list[Query] = []
         ids: list[int] = []
         pos: list[int] = []
         seq: list[int] = []
-        sample_rows, sampling = [], []
+        rows: list[int] = []
         n_prefill = 0
         for req in running:
-            start = req.computed
-            span = self._span(req)
-            end = start + len(span)
-            ids += span
-            pos += range(start, end)
-            seq += [req.slot] * (end - start)
-            if not req.tokens:
-                n_prefill += end - start
-            req.computed = end
-            if end == len(req.prompt) + len(req.tokens):
-                sample_rows.append(len(ids) - 1)
-                sampling.append(req)
-        stats = self.stats
-        stats["prefill_tokens"] += n_prefill
-        stats["decode_tokens"] += len(ids) - n_prefill
-        stats["steps"] += 1
-        model = self.model
-        batch = torch.from_numpy(np.array(ids + pos + seq, dtype=np.int64)).view(3, -1)
-        with recorded_routing(model) if model.config.num_experts else contextlib.nullcontext({}) as routing:
-            hidden = model.step(batch[0], batch[1], batch[2], self._cache)
-        if not sampling:
+            start, first = req.computed, len(ids)
+            if req.tokens:
+                tokens = next(decode_queries)
+                scored = len(tokens)  # every row: the last token's and each proposal's
+            else:
+                tokens = self._prompt_chunk(req)
+                n_prefill += len(tokens)
+                scored = int(start + len(tokens) == len(req.prompt))  # the last row of the prompt's final chunk
+            rows += range(first + len(tokens) - scored, first + len(tokens))
+            queries.append(Query(req, tokens, start, first, range(len(rows) - scored, len(rows))))
+            ids += tokens
+            pos += range(start, start + len(tokens))
+            seq += [req.slot] * len(tokens)
+            req.computed = start + len(tokens)
+        self.stats["prefill_tokens"] += n_prefill
+        self.stats["decode_tokens"] += len(ids) - n_prefill
+        self.stats["steps"] += 1
+        return queries, torch.from_numpy(np.array(ids + pos + seq, dtype=np.int64)).view(3, -1), rows
+
+    def _score(self, queries: list[Query], hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Logprobs [len(rows), V] of the scored rows, each at its request's temperature (greedy: 1)."""
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(rows))
+        temps = [q.request.params.temperature or 1.0 for q in queries for _ in q.scored]
+        temperature = temps[0] if len(set(temps)) == 1 else torch.tensor(temps, dtype=torch.float32)
+        return ops.log_softmax(self.model.logits(hidden), temperature)
+
+    def _emit(self, queries: list[Query], emitted: list[list[int]], logp: torch.Tensor | None,
+              experts: torch.Tensor | None) -> list[Request]:
+        """Append each query's emitted tokens with their logprobs (token i from its scored row i) and, for MoE
+        models, their rows' experts; returns the requests that finished."""
+        at = [q.scored[i] for q, tokens in zip(queries, emitted) for i in range(len(tokens))]
+        if not at:
             return []
-        if len(sample_rows) < len(ids):
-            hidden = hidden.index_select(0, torch.tensor(sample_rows))
-        if routing:  # the experts of each MoE layer for the rows that score the sampled tokens
-            chosen_experts = torch.cat([log[0] for log in routing.values()], 1)[sample_rows].to(torch.int16)
-            for req, experts in zip(sampling, chosen_experts):
-                req.routing.append(experts)
-        temps = [r.params.temperature for r in sampling]
-        if all(t == 0 or t == 1.0 for t in temps):
-            temperature = 1.0  # greedy requests record logprobs at temperature 1
-        else:
-            temperature = torch.tensor([t or 1.0 for t in temps], dtype=torch.float32)
-        logp = ops.log_softmax(model.logits(hidden), temperature)
-        tokens = self._sample(logp, sampling, temps)
-        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        finished = []
-        for req, token, lp in zip(sampling, tokens.tolist(), chosen):
+        chosen = logp[torch.tensor(at), torch.tensor([t for tokens in emitted for t in tokens])].tolist()
+        finished, n = [], 0
+        for q, tokens in zip(queries, emitted):
+            if not tokens:
+                continue
+            req = q.request
             if self.prefix_cache is not None and not req.prompt_stored:
                 self.prefix_cache.store(req.prompt, self._cache, req.slot)
                 req.prompt_stored = True
-            req.tokens.append(token)
-            req.logprobs.append(lp)
-            if token in req.params.stop_token_ids or len(req.tokens) >= req.params.max_new_tokens:
+            if experts is not None:
+                req.routing += experts[q.scored.start : q.scored.start + len(tokens)]
+            if self._append(req, tokens, chosen[n : n + len(tokens)]):
                 finished.append(req)
+            n += len(tokens)
+            req.computed = len(req.sequence) - 1  # the last token is fed next step; refused proposals' entries go
         return finished
 
     @staticmethod
-    def _sample(logp: torch.Tensor, sampling: list[_Request], temps: list[float]) -> torch.Tensor:
-        """One token per row of logp [M, V]: inverse-CDF sampling with each request's next pre-drawn uniform
-        (argmax for greedy requests). Row by row the same arithmetic, so a request's tokens do not depend on
-        the batch it runs in."""
-        rows, vocab = logp.shape
-        greedy = [i for i, t in enumerate(temps) if t == 0]
-        if len(greedy) == rows:
-            return logp.argmax(1)
-        # Row-invariant probabilities, then a per-row sequential float64 prefix sum.
-        cdf = torch.cumsum(ops.probabilities(logp), 1, dtype=torch.float64)
-        u = torch.tensor([0.0 if t == 0 else r.uniforms[len(r.tokens)] for r, t in zip(sampling, temps)], dtype=torch.float64)
-        x = (u * cdf[:, -1]).unsqueeze(1)  # < the row's total mass
-        tokens = torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=vocab - 1)
-        if greedy:
-            idx = torch.tensor(greedy)
-            tokens[idx] = logp[idx].argmax(1)
-        return tokens
+    def _append(req: Request, tokens: list[int], logprobs: list[float]) -> bool:
+        """Append emitted tokens up to the first that finishes the request; True when it is finished."""
+        for token, logprob in zip(tokens, logprobs):
+            req.tokens.append(token)
+            req.logprobs.append(logprob)
+            if token in req.params.stop_token_ids or len(req.tokens) >= req.params.max_new_tokens:
+                return True
+        return False

@@ -1,9 +1,12 @@
-"""What a rollout request asks for, and what it gets back."""
+"""What a rollout request asks for, what it gets back, its state while the engine runs it, and the sampler."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
+
+from nemo_rz import ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +38,49 @@ class Completion:
     # int16 [len(token_ids), MoE layers * k]: the experts each MoE layer chose (in layer order) for the input
     # token whose output scored each sampled token; None for dense models or engines that do not record it.
     routing: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Request:
+    """A request while the engine runs it. Until its prompt is in the cache it is prefilling (no tokens yet);
+    from its first token on it is decoding, and before every step all of `sequence` but the last token has its
+    keys/values in the cache (`computed == len(sequence) - 1`)."""
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    slot: int = -1  # its row of the KV cache
+    computed: int = 0  # tokens whose keys/values are in the cache
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # float32 values, exact as Python floats
+    prompt_stored: bool = False  # its prompt's blocks are in the prefix cache
+    uniforms: list[float] | None = None  # one draw from `generator` per token to sample, drawn on admission
+    routing: list[torch.Tensor] = dataclasses.field(default_factory=list)  # MoE models: experts per sampled token
+    policy_state: Any = None  # what the engine's step policy keeps for this request (a speculator: its draft's)
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt + self.tokens
+
+
+def sample(logp: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """One token per row of logp [M, V], row i for requests[i]'s next output position: inverse-CDF sampling with
+    the request's pre-drawn uniform for that position (argmax for greedy requests). Row by row the same
+    arithmetic, so a request's tokens do not depend on the batch it runs in."""
+    rows, vocab = logp.shape
+    greedy = [i for i, r in enumerate(requests) if r.params.temperature == 0]
+    if len(greedy) == rows:
+        return logp.argmax(1)
+    # Row-invariant probabilities, then a per-row sequential float64 prefix sum.
+    cdf = torch.cumsum(ops.probabilities(logp), 1, dtype=torch.float64)
+    u = torch.tensor([0.0 if r.params.temperature == 0 else r.uniforms[len(r.tokens)] for r in requests], dtype=torch.float64)
+    x = (u * cdf[:, -1]).unsqueeze(1)  # < the row's total mass
+    tokens = torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=vocab - 1)
+    if greedy:
+        idx = torch.tensor(greedy)
+        tokens[idx] = logp[idx].argmax(1)
+    return tokens
 
 
 SEED_STRIDE = 1_000_003  # spreads unseeded requests' seeds apart: engine seed * stride + request count
