@@ -1,3 +1,8 @@
+import site
+import subprocess
+import venv
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,3 +43,17 @@ def _consistent_mode():
 @pytest.fixture(scope="session")
 def model():
     return tiny_model()
+
+
+def venv_over_this(path: Path, with_checkout: bool) -> Path:
+    """A new virtual environment at `path` that also sees this interpreter's packages (torch...), whether this one
+    is a virtual environment itself or not; its python. With `with_checkout`, this checkout's editable install is
+    seen too (the .pth files of those folders are read); without, only what is installed into the new one."""
+    venv.EnvBuilder(with_pip=False).create(path)
+    python = path / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    dirs = site.getsitepackages()
+    lines = [f"import site; site.addsitedir({d!r})" for d in dirs] if with_checkout else dirs
+    Path(purelib, "_outer_packages.pth").write_text("\n".join(lines) + "\n")
+    return python

@@ -8,14 +8,14 @@ checkout. Negative control: the same install without its packaged conf/ fails to
 import json
 import os
 import shutil
-import site
 import subprocess
 import sys
-import venv
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from conftest import venv_over_this
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ["task.name=add1", "warmup.steps=5", "algo.updates=2", "algo.prompts_per_update=2", "algo.group_size=2",
@@ -30,13 +30,7 @@ def _wheel(src: Path, out: Path) -> Path:
 
 
 def _venv(path: Path, wheel: Path) -> Path:
-    venv.EnvBuilder(with_pip=False).create(path)
-    python = path / "bin" / "python"
-    # This interpreter's packages (torch...), whether it is a virtual environment or not; its .pth files are not
-    # read from there, so the checkout's editable install stays off the path.
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    Path(purelib, "_outer_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    python = venv_over_this(path, with_checkout=False)  # the checkout's editable install stays off the path
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
                    check=True, capture_output=True, text=True)
     return python

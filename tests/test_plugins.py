@@ -11,12 +11,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import venv
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import venv_over_this
 from nemo_rz import plugins, schema
 from nemo_rz.algorithms import CORRECTIONS, Correction, importance_weights, reinforce_zero_loss
 from nemo_rz.config import load
@@ -86,8 +86,7 @@ def test_a_third_party_correction_and_verifier_train_by_name(tmp_path):
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
                             for a in range(5) for b in range(4)))
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(tmp_path / "venv")
-    python = tmp_path / "venv" / "bin" / "python"
+    python = venv_over_this(tmp_path / "venv", with_checkout=True)
     marks = tmp_path / "marks.txt"
 
     # Negative control: without the package the name is unknown, said in one line before any work.
