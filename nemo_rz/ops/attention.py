@@ -138,7 +138,7 @@ def _paged_blocks(cache, seqs, kv_heads, block_start, block_table) -> torch.Tens
 def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: Tiled, sinks=None):
     n, heads, dim = q.shape
     R = t.R
-    n_pairs, real = t.pair_tile.shape[0], t.real  # pairs past `real` pad a one-pair batch
+    n_pairs = t.pair_tile.shape[0]
     paged = t.paged() if block_table is not None or k_cache.shape[2] % KV_BLOCK else None
     qs = q.reshape(n * heads, dim).float() * scale
     qp = qs.index_select(0, t.p.q_src).view(n_pairs, R, dim)
@@ -151,14 +151,14 @@ def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: Tiled, sinks=No
         past = paged[3]
         k, v = k.masked_fill(past, 0.0), v.masked_fill(past, 0.0)
     s = tile_scores(qp, k, t.bias)
-    m = row_max(s.new_full((t.n_tiles, R), float("-inf")), t.p.tile_index, s[:real] if real < n_pairs else s)
+    m = row_max(s.new_full((t.n_tiles, R), float("-inf")), t.p.tile_index, s)
     if sinks is not None:
         sink = sinks.float().index_select(0, t.slot_head.reshape(-1)).view(t.n_tiles, R)  # [T, R]
         with torch.no_grad():
             m = torch.maximum(m, sink)
     pv = tile_partials(s, m.index_select(0, t.pair_tile), v, t.visible)
     # A tile's pairs are listed by block: merged in increasing block order.
-    acc = merge_partials(t.n_tiles, t.pair_tile[:real], pv[:real] if real < n_pairs else pv)
+    acc = merge_partials(t.n_tiles, t.pair_tile, pv)
     extra = None
     if sinks is not None:
         # exp over [T, R, TILE_ROWS] (a whole number of SIMD loop steps), of which column 0 is used.

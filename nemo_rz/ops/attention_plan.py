@@ -129,11 +129,8 @@ class _Pairs:
         pair_tile = torch.arange(T, device=dev).repeat_interleave(tile_nb)
         n_pairs = pair_tile.shape[0]
         pair_j = torch.arange(n_pairs, device=dev) - (tile_nb.cumsum(0) - tile_nb)[pair_tile]
-        self.real = n_pairs
-        if n_pairs == 1:  # a batch of one product may take another BLAS path: always run at least two
-            pair_tile, pair_j = pair_tile.repeat(2), pair_j.repeat(2)
         self.pair_tile, self.pair_j = pair_tile, pair_j
-        self.tile_index = pair_tile[:n_pairs, None].expand(n_pairs, R)  # scatter index of the real pairs
+        self.tile_index = pair_tile[:, None].expand(n_pairs, R)  # scatter index of the pairs' rows
         self.pair_grp = lay.tile_grp[pair_tile]
         self.q_src = lay.src.view(T, R)[pair_tile].reshape(-1)  # [P * R] rows of q, tile by tile
         self.block_start = (pair_j * KV_BLOCK)[:, None]
@@ -161,7 +158,7 @@ class Tiled:
         tile_nb = tile_last // KV_BLOCK + 1
         pairs = lay.pairs.get(tuple(tile_nb.tolist()), lambda: _Pairs(lay, tile_nb))
         self.p = pairs
-        self.pair_tile, self.real = pairs.pair_tile, pairs.real
+        self.pair_tile = pairs.pair_tile
         # Visible keys of each (pair, row): offsets 0 .. pos - block start (and, with a window, from the
         # window start on): one table row per (pair, row).
         pos_p = pos_t.index_select(0, pairs.pair_tile)
