@@ -1,9 +1,10 @@
 """A draft's training step (training-time test, distilled loss, forward + backward) three ways: DraftHead.training_loss
-on a dense [B, T] batch (plain-torch attention), cp_draft_loss on the same sequences packed in one row on one
-process (ring and branch attention with the consistent arithmetic), and cp_draft_loss over 2 gloo ranks (wall of the
-slower rank, reduce_gradients included). SmolLM2-135M's shape (hidden 576, 9/3 heads, head_dim 64, vocab 49152), a
-1-layer draft over 8,192 tokens, 3 steps; random weights and features (the target only lends its embedding and
-head). 1 torch thread per process; median wall and process CPU seconds over --repeat steps after a warm-up step.
+on a dense [B, T] batch (its rows through ring and branch attention on one rank: ops.attention's consistent core,
+like every draft attention since the draft's dense softmax went), cp_draft_loss on the same sequences packed in one
+row on one process, and cp_draft_loss over 2 gloo ranks (wall of the slower rank, reduce_gradients included).
+SmolLM2-135M's shape (hidden 576, 9/3 heads, head_dim 64, vocab 49152), a 1-layer draft over 8,192 tokens, 3
+steps; random weights and features (the target only lends its embedding and head). 1 torch thread per process;
+median wall and process CPU seconds over --repeat steps after a warm-up step.
 
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456 \\
         python benchmarks/draft_cp.py --batch 16 --length 110
