@@ -48,7 +48,7 @@ def root(tmp_path_factory):
 
 def _prompts(seed: int, n: int = 3) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(1, 3 * WINDOW, (n,), generator=g)]
+    return [torch.randint(0, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(1, 2 * WINDOW, (n,), generator=g)]
 
 
 def _train(model: Decoder, seed: int) -> None:
