@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import errno
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +18,8 @@ from omegaconf import OmegaConf
 
 from nemo_rz import atomic
 from nemo_rz import config as config_lib
-from nemo_rz.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED, ArgumentParser, ConfigError, DivergenceError
+from nemo_rz.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_TERMINATED, ArgumentParser, ConfigError,
+                            DivergenceError, Terminated)
 from nemo_rz.runtime import runlock
 
 
@@ -134,27 +137,62 @@ def _os_error(e: OSError, run_dir: Path | None) -> str:
     return f"{where}{e.strerror or e}"
 
 
+class _SigtermRaises:
+    """SIGTERM (a scheduler stopping the job) raises Terminated in the main thread, once: the run unwinds as on
+    Ctrl-C (rollout workers and ranks stopped, TensorBoard flushed, the last checkpoint kept). A second SIGTERM
+    while it unwinds is ignored, so that the clean-up finishes; SIGKILL remains the way to stop it at once."""
+
+    def __init__(self):
+        self.received, self.previous = False, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._raise)
+        return self
+
+    def _raise(self, signum, frame):
+        if not self.received:
+            self.received = True
+            raise Terminated()
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+        return False
+
+
+def _stopped(e: KeyboardInterrupt, run_dir: Path | None) -> int:
+    word, code = ("terminated", EXIT_TERMINATED) if isinstance(e, Terminated) else ("interrupted", EXIT_INTERRUPTED)
+    print(f"{word}; resume with resume={run_dir}" if run_dir else word, file=sys.stderr)
+    return code
+
+
 def main(argv=None) -> int:
-    """Every failure a user can cause is one line on stderr: bad input exit 2, divergence 3, Ctrl-C 130."""
+    """Every failure a user can cause is one line on stderr: bad input exit 2, divergence 3, Ctrl-C 130,
+    SIGTERM 143."""
     run_dir = None
-    try:
-        launched = _launch(argv)
-        if launched is not None:
-            return launched
-        cfg, run_dir = _prepare(argv)
-        summary = run(cfg, run_dir)
-    except KeyboardInterrupt:
-        print(f"interrupted; resume with resume={run_dir}" if run_dir else "interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except DivergenceError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_DIVERGED
-    except ValueError as e:  # bad config, data, checkpoints or model files
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except OSError as e:  # an unwritable run directory, a full disk
-        print(f"error: {_os_error(e, run_dir)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    with _SigtermRaises() as sigterm:
+        try:
+            launched = _launch(argv)
+            if launched is not None:
+                return launched
+            cfg, run_dir = _prepare(argv)
+            summary = run(cfg, run_dir)
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated)
+            return _stopped(Terminated() if sigterm.received else e, run_dir)
+        except Exception as e:
+            if sigterm.received:  # an error met while stopping (a worker already gone): the stop is what happened
+                return _stopped(Terminated(), run_dir)
+            if isinstance(e, DivergenceError):
+                print(f"error: {e}", file=sys.stderr)
+                return EXIT_DIVERGED
+            if isinstance(e, ValueError):  # bad config, data, checkpoints or model files
+                print(f"error: {e}", file=sys.stderr)
+                return EXIT_BAD_INPUT
+            if isinstance(e, OSError):  # an unwritable run directory, a full disk
+                print(f"error: {_os_error(e, run_dir)}", file=sys.stderr)
+                return EXIT_BAD_INPUT
+            raise
     print_summary(summary, run_dir)
     return 0
 

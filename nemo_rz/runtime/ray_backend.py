@@ -2,20 +2,34 @@
 
 Same contract as the local back-end: each published version is put in the object store once and handed to
 the actor with the job that needs it; a failed actor is replaced (a bounded number of times, see
-restarts.py) and its unfinished jobs are sent again.
+restarts.py) and its unfinished jobs are sent again. An actor that stops answering its heartbeat (a ping served
+by a thread of its own, beside the job) for `heartbeat_s` seconds is hung: it is killed, said so in one line,
+and replaced the same way.
 
-A cluster this back-end starts requires a random per-run token (Ray token authentication): Ray binds most of
-its sockets on all interfaces, and without the token anyone who reaches them could run code in it. The token
-travels only in the environment of the processes Ray starts, never in a file.
+A cluster this back-end starts is private to the run: every process of it binds the loopback address only,
+its session folder lies in a 0700 folder of its own (removed at close), and it requires a random per-run token
+(Ray token authentication), which travels only in the environment of the processes Ray starts, never in a
+file. It is shut down at close. A multi-node cluster is one the user starts (`ray start`, with token auth and a
+firewall), joined through RAY_ADDRESS.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
 
+from nemo_rz.errors import Terminated
 from nemo_rz.runtime.jobs import Job, Result, decode_completions
-from nemo_rz.runtime.restarts import RestartBudget, one_line
+from nemo_rz.runtime.restarts import HEARTBEAT_S, STARTUP_S, RestartBudget, check_heartbeat, one_line
+
+_HEARTBEAT_GROUP = "heartbeat"
 
 
 class _Actor:
@@ -32,29 +46,41 @@ class _Actor:
             os._exit(17)  # fault injection for tests
         return out
 
+    def ping(self) -> int:
+        """The heartbeat: answered in its own concurrency group, while a job runs."""
+        return os.getpid()
+
 
 class RayBackend:
     def __init__(self, worker_kwargs: dict, num_workers: int, ring_slots: int, crash_at_batch: int = -1,
-                 budget: RestartBudget | None = None):
+                 budget: RestartBudget | None = None, heartbeat_s: float = HEARTBEAT_S, warn=None):
         import ray
 
         self.ray = ray
+        self.heartbeat_s = check_heartbeat(heartbeat_s)
+        self.warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.temp_dir = None  # the private folder of a cluster this back-end started
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
-            if not address:  # a new local cluster; joining one takes that cluster's own token from the environment
-                require_token()
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                     num_cpus=None if address else max(num_workers, 1))
-        self.remote_cls = ray.remote(num_cpus=1, max_restarts=0)(_Actor)
+            if address:  # joining a cluster takes that cluster's own token from the environment
+                with _keep_sigterm_handler():
+                    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            else:
+                self.temp_dir = _start_private_cluster(ray, max(num_workers, 1))
+        self.remote_cls = ray.remote(num_cpus=1, max_restarts=0, concurrency_groups={_HEARTBEAT_GROUP: 1})(_Actor)
         self.worker_kwargs, self.crash_at_batch, self.ring_slots = worker_kwargs, crash_at_batch, ring_slots
         self.incarnations = [0] * num_workers
-        self.actors = [self._spawn(i) for i in range(num_workers)]
+        self.actors, self.beats = [None] * num_workers, [None] * num_workers
+        self.pings: dict[object, int] = {}  # an unanswered ping -> its actor
+        for i in range(num_workers):
+            self._spawn(i)
         self.refs: dict[int, object] = {}
         self.futures: dict[object, tuple[int, Job]] = {}
         self.budget = budget or RestartBudget()
 
-    def _spawn(self, i: int):
-        return self.remote_cls.remote(self.worker_kwargs, self.incarnations[i], self.crash_at_batch)
+    def _spawn(self, i: int) -> None:
+        self.actors[i] = self.remote_cls.remote(self.worker_kwargs, self.incarnations[i], self.crash_at_batch)
+        self.beats[i] = [None, time.monotonic(), False]  # [unanswered ping, when it (or the actor) was sent, answered once]
 
     def publish(self, version: int, state_dict) -> None:
         self.refs[version] = self.ray.put({k: v.clone() for k, v in state_dict.items()})
@@ -70,10 +96,50 @@ class RayBackend:
             load[i] += 1
         self._send(min(range(len(self.actors)), key=lambda i: load[i]), job)
 
+    def _heartbeat(self) -> None:
+        """Ping every actor about once a second; replace one whose ping went unanswered past its bound (answers
+        that came while the trainer was busy are taken first)."""
+        if self.pings:
+            for ping in self.ray.wait(list(self.pings), num_returns=len(self.pings), timeout=0)[0]:
+                self._answered(ping)
+        now = time.monotonic()
+        for i, beat in enumerate(self.beats):
+            ping, since, answered = beat
+            if ping is None:
+                if now - since >= min(1.0, self.heartbeat_s / 4):
+                    ping = self.actors[i].ping.options(concurrency_group=_HEARTBEAT_GROUP).remote()
+                    self.pings[ping] = i
+                    beat[0] = ping
+                    if answered:
+                        beat[1] = now
+                continue
+            bound = self.heartbeat_s if answered else max(self.heartbeat_s, STARTUP_S)
+            if now - since > bound:
+                error = f"rollout actor {i} sent no heartbeat for {now - since:.0f}s (bound {self.heartbeat_s:g}s)"
+                jobs = sum(1 for w, _ in self.futures.values() if w == i)
+                self._restart(i, None, error)
+                self.warn(f"warning: {error}: killed it; restarting it with its {jobs} unfinished job(s)")
+
+    def _answered(self, ping) -> None:
+        i = self.pings.pop(ping)
+        beat = self.beats[i]
+        if beat[0] != ping:
+            return  # the ping of an actor replaced since
+        try:
+            self.ray.get(ping)
+        except self.ray.exceptions.RayError:
+            return  # the actor died: its jobs fail too, and that restarts it
+        beat[:] = [None, time.monotonic(), True]
+
     def poll(self, timeout: float) -> list[Result]:
-        ready, _ = self.ray.wait(list(self.futures), num_returns=1, timeout=timeout)
+        self._heartbeat()
+        waiting = list(self.futures) + list(self.pings)
+        ready, _ = self.ray.wait(waiting, num_returns=1, timeout=min(timeout, 1.0)) if waiting else ([], [])
         out = []
         for fut in ready:
+            if fut in self.pings:
+                self._answered(fut)
+                continue
             if fut not in self.futures:
                 continue
             i, job = self.futures.pop(fut)
@@ -89,19 +155,75 @@ class RayBackend:
     def restarts(self) -> int:
         return self.budget.restarts
 
-    def _restart(self, i: int, failed: Job, error: str) -> None:
+    def _restart(self, i: int, failed: Job | None, error: str) -> None:
+        self.ray.kill(self.actors[i])  # a task error leaves the actor alive, a hung one may never return: replace it
         self.budget.spend(i, error)
-        self.ray.kill(self.actors[i])  # a task error leaves the actor alive: replace it all the same
         self.incarnations[i] += 1
-        self.actors[i] = self._spawn(i)
-        lost = [failed] + [job for f, (w, job) in list(self.futures.items()) if w == i and self.futures.pop(f)]
+        self._spawn(i)
+        lost = [failed] if failed is not None else []
+        lost += [job for f, (w, job) in list(self.futures.items()) if w == i and self.futures.pop(f)]
         for job in sorted(lost, key=lambda j: j.batch):
             self._send(i, job)
 
     def close(self) -> None:
-        for a in self.actors:
-            self.ray.kill(a)
-        self.futures.clear()
+        try:
+            for a in self.actors:
+                self.ray.kill(a)
+            self.futures.clear()
+            self.pings.clear()
+        finally:
+            if self.temp_dir is not None:  # the cluster is this run's: stop it and remove its folder
+                self.ray.shutdown()
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
+                self.temp_dir = None
+
+
+def _start_private_cluster(ray, num_cpus: int) -> str:
+    """A local cluster on the loopback address, token auth on, its folders inside a new 0700 folder (returned): Ray
+    makes its temp and session folders world-writable (0777), so they must lie where no one else can reach."""
+    require_token()
+    temp_dir = tempfile.mkdtemp(prefix="nemo_rz_ray_")  # mode 0700; short: Ray's socket paths lie under it
+    try:
+        with _keep_sigterm_handler(), _loopback_only():
+            ray.init(include_dashboard=False, log_to_driver=False, num_cpus=num_cpus, _node_ip_address="127.0.0.1",
+                     _temp_dir=os.path.join(temp_dir, "ray"), logging_level=logging.WARNING)  # no start-up banner
+    except BaseException:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    return temp_dir
+
+
+@contextlib.contextmanager
+def _loopback_only():
+    """ray.init turns a loopback _node_ip_address into this machine's network address (so that other nodes could
+    reach it) unless Ray clusters are off, as on macOS and Windows: turn them off while it starts. The processes
+    it starts are given the node's address explicitly."""
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler():
+    """ray.init replaces the driver's SIGTERM handler with one that calls sys.exit: put train.main's back (a SIGTERM
+    then unwinds as Terminated), and take a SIGTERM during the start-up itself as Terminated too."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    except SystemExit as e:
+        if e.code == signal.SIGTERM:
+            raise Terminated() from None
+        raise
+    finally:
+        if main and saved is not None:
+            signal.signal(signal.SIGTERM, saved)
 
 
 _TOKEN = secrets.token_hex(32)  # one per process: Ray's client caches the first token it reads

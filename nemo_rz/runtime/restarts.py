@@ -2,7 +2,8 @@
 
 A worker that dies now and then (killed, out of memory) is restarted and its jobs sent again. One that fails
 every time (a setting it rejects, an error in its constructor) would be restarted forever: after
-MAX_RESTARTS failures within RESTART_WINDOW_S seconds the run stops with the last failure in one line.
+MAX_RESTARTS failures within RESTART_WINDOW_S seconds the run stops with the last failure in one line. A worker
+that hangs (no heartbeat for runtime.worker_heartbeat_s seconds) is a failure too.
 """
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ import time
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
+# A worker beats a heartbeat from a thread of its own about once a second, however long its jobs take: one silent
+# for HEARTBEAT_S seconds is stopped or stuck (or its machine is starved far past a slow worker's pace), and is
+# killed and restarted under the same budget. A worker that has not beaten yet is still starting (Python, torch,
+# Ray's actor start-up) and gets STARTUP_S.
+HEARTBEAT_S = 60.0
+STARTUP_S = 180.0
 
 
 class WorkerFailed(ValueError):
@@ -28,6 +35,17 @@ def one_line(exc: BaseException) -> str:
     if len(lines) > 1 and re.match(r"[\w.]+(Error|Exception|Interrupt): ", lines[-1]):
         return lines[-1]
     return f"{type(exc).__name__}: {lines[0]}"
+
+
+def check_heartbeat(seconds) -> float:
+    """runtime.worker_heartbeat_s: a finite number of seconds > 0."""
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if isinstance(seconds, bool) or not 0 < value < float("inf"):
+        raise ValueError(f"runtime.worker_heartbeat_s = {seconds!r}: expected a finite number of seconds > 0")
+    return value
 
 
 class RestartBudget:

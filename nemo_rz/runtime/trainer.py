@@ -31,6 +31,7 @@ from nemo_rz.runtime.jobs import Job, Result, decode_completions, encode_complet
 from nemo_rz.runtime.evaluation import HeldOutEval
 from nemo_rz.runtime.learner import Learner
 from nemo_rz.runtime.metrics_log import MetricsLog
+from nemo_rz.runtime.restarts import HEARTBEAT_S
 from nemo_rz.runtime.warmup import warm_up
 from nemo_rz.tasks import make_task, safe_reward
 
@@ -176,14 +177,16 @@ class Trainer:
                                                        vocab_size=self.draft.draft.vocab.numel()),
             precision=self.precision.as_dict(),
         )
+        heartbeat_s = OmegaConf.select(self.cfg, "runtime.worker_heartbeat_s", default=HEARTBEAT_S)  # a hung worker's bound
         if r.backend == "local":
             from nemo_rz.runtime.local import LocalBackend
 
-            return LocalBackend(worker_kwargs, self.history[self.version], r.rollout_workers, a.max_lag + 1, r.crash_worker_at_batch)
+            return LocalBackend(worker_kwargs, self.history[self.version], r.rollout_workers, a.max_lag + 1, r.crash_worker_at_batch,
+                                heartbeat_s=heartbeat_s)
         if r.backend == "ray":
             from nemo_rz.runtime.ray_backend import RayBackend
 
-            return RayBackend(worker_kwargs, r.rollout_workers, a.max_lag + 1, r.crash_worker_at_batch)
+            return RayBackend(worker_kwargs, r.rollout_workers, a.max_lag + 1, r.crash_worker_at_batch, heartbeat_s=heartbeat_s)
         raise ValueError(f"runtime.backend = {r.backend!r}: use local or ray")
 
     def _receive(self, backend: RuntimeBackendProtocol, u: int) -> Result:
