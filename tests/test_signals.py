@@ -128,7 +128,7 @@ def _until_checkpoint(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 
     while checkpoint.latest(run_dir / "checkpoints") is None:
         if proc.poll() is not None or time.monotonic() > deadline:
             _kill_all(proc, set())
-            out, err = proc.communicate()
+            _, err = proc.communicate()
             pytest.fail(f"no checkpoint (exit code {proc.returncode}): {err[-2000:]}")
         time.sleep(0.2)
 
@@ -167,7 +167,7 @@ def test_sigterm_on_the_local_backend_is_one_line_exit_143_and_the_run_resumes(t
     pids = _descendants(proc.pid)
     workers = [p for p in pids if any("multiprocessing" in a for a in _cmdline(p))]
     assert len(workers) >= 2, [(p, _cmdline(p)) for p in pids]  # the 2 rollout workers (and the resource tracker)
-    out, err, survivors = _terminate(proc, pids, group)
+    _, err, survivors = _terminate(proc, pids, group)
     assert proc.returncode == EXIT_TERMINATED, err
     assert err == f"terminated; resume with resume={run_dir}\n"
     assert survivors == []
@@ -210,7 +210,7 @@ def test_sigterm_on_the_ray_backend_stops_the_private_loopback_cluster(tmp_path)
     except BaseException:
         _kill_all(proc, pids)
         raise
-    out, err, survivors = _terminate(proc, pids)
+    _, err, survivors = _terminate(proc, pids)
     assert proc.returncode == EXIT_TERMINATED, err
     assert err == f"terminated; resume with resume={run_dir}\n", err
     assert survivors == [], [(p, _cmdline(p)[:2]) for p in survivors]
@@ -235,7 +235,7 @@ def test_sigterm_on_the_megatron_launcher_stops_every_rank(tmp_path):
     except BaseException:
         _kill_all(proc, pids)
         raise
-    out, err, survivors = _terminate(proc, pids)
+    _, err, survivors = _terminate(proc, pids)
     assert proc.returncode == EXIT_TERMINATED, err
     assert err == f"terminated; resume with resume={run_dir}\n", err
     assert survivors == [], [(p, _cmdline(p)[:3]) for p in survivors]  # no rank, no rollout worker
