@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
+import math
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,21 +31,68 @@ def fsync(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
-    """Replace the file at `path` with `text`."""
+def _temp_name(target: Path, kind: str = "tmp") -> Path:
+    return target.parent / f".{target.name}.{kind}-{secrets.token_hex(4)}"
+
+
+def create(path: str | os.PathLike) -> int:
+    """A new file opened for writing (never an existing one, never through a symlink), with a normal file's
+    mode: 0o666 less the umask, applied by the system as to any file a program creates."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+
+
+def write_all(fd: int, data) -> int:
+    """Write every byte of `data` or raise OSError (a full disk makes os.write write less, then fail)."""
+    view = memoryview(data).cast("B")
+    n = view.nbytes
+    while view:
+        view = view[os.write(fd, view):]
+    return n
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Replace the file at `path` with `data`."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    while True:
+        tmp = _temp_name(path)
+        try:
+            fd = create(tmp)
+            break
+        except FileExistsError:
+            continue
     try:
-        with os.fdopen(fd, "w", encoding=encoding) as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes it private; the file gets a normal file's mode
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
+    """Replace the file at `path` with `text`."""
+    write_bytes(path, text.encode(encoding))
+
+
+def finite_or_null(value):
+    """`value` with every non-finite float (inf, -inf, nan) replaced by None, in nested dicts, lists and tuples."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def write_json(path: str | os.PathLike, value, indent: int | None = 2) -> None:
+    """Replace the file at `path` with `value` as standard JSON: a non-finite number (which json.dumps would
+    write as Infinity or NaN, which other JSON readers refuse) is written as null."""
+    write_text(path, json.dumps(finite_or_null(value), indent=indent, allow_nan=False) + "\n")
 
 
 @contextlib.contextmanager
@@ -52,8 +101,7 @@ def new_dir(target: str | os.PathLike) -> Iterator[Path]:
     (an existing directory there is replaced only then), and when the block raises, it is removed."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; the result gets a normal directory's mode
+    tmp = _new_temp_dir(target)
     try:
         yield tmp
         fsync(tmp)
@@ -62,6 +110,26 @@ def new_dir(target: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync(target.parent)
+
+
+def _new_temp_dir(target: Path, kind: str = "tmp") -> Path:
+    """An empty directory beside `target` with a normal directory's mode (0o777 less the umask)."""
+    while True:
+        tmp = _temp_name(target, kind)
+        try:
+            os.mkdir(tmp, 0o777)
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def is_leftover(name: str, target_name: str | None = None) -> bool:
+    """Whether `name` is a temporary name that new_dir or write_text gives (`target_name`'s, or any target's)."""
+    if not name.startswith("."):
+        return False
+    stem, sep, tail = name[1:].rpartition(".")
+    kind, dash, token = tail.partition("-")
+    return bool(sep and dash and kind in ("tmp", "old") and token and (target_name is None or stem == target_name))
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -77,13 +145,13 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def _swap_in(tmp: Path, target: Path) -> None:
     """Put directory `tmp` at `target`; an existing `target` is replaced only once tmp is complete."""
-    if not target.exists():
+    if not os.path.lexists(target):  # (a symlink there, even a dangling one, is replaced like a directory)
         os.rename(tmp, target)
         return
     if _exchange(tmp, target):  # target now holds the new directory, tmp the old one
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    old = _new_temp_dir(target, "old")
     os.rmdir(old)
     os.rename(target, old)  # a crash between these two renames leaves the old directory intact at `old`
     try:
@@ -91,11 +159,28 @@ def _swap_in(tmp: Path, target: Path) -> None:
     except BaseException:
         os.rename(old, target)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory tree, or only the link when `path` is a symlink (never what it points to)."""
+    if os.path.islink(path):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def umask() -> int:
-    """The process umask (reading it means setting it, so it is set straight back)."""
+    """The process umask. Linux reports it in /proc/self/status; elsewhere reading it means setting it, so it is
+    set straight back (a file another thread creates in between would get mode 0o666)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0)
     os.umask(mask)
     return mask

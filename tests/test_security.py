@@ -1,8 +1,9 @@
-"""Security: no file in a run directory can run code, the package never unpickles, and the Ray cluster a run
-starts refuses clients without its per-run token."""
+"""Security: no file in a run directory can run code, hang a resume or roll it back, the package never
+unpickles, and the Ray cluster a run starts refuses clients without its per-run token."""
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from nemo_rz import config, train
-from nemo_rz.runtime import checkpoint
+from nemo_rz.runtime import checkpoint, runlock
 from nemo_rz.runtime.trainer import Trainer
 
 from test_faults import TINY
@@ -37,6 +38,7 @@ def test_a_pickle_planted_in_a_checkpoint_never_runs(tmp_path, capsys):
         torch.save({"version": 2, "payload": Payload(marker)}, latest / name)
     manifest = json.loads((latest / checkpoint.MANIFEST).read_text())
     manifest["sha256"].update({n: checkpoint._sha256(latest / n) for n in ("state.pt", "optimizer.pt")})
+    manifest["bytes"].update({n: (latest / n).stat().st_size for n in ("state.pt", "optimizer.pt")})
     (latest / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     planted = (latest / "state.pt").read_bytes()
     capsys.readouterr()
@@ -47,6 +49,31 @@ def test_a_pickle_planted_in_a_checkpoint_never_runs(tmp_path, capsys):
     (tmp_path / "planted.pt").write_bytes(planted)  # the resumed run has since replaced step_000002
     torch.load(tmp_path / "planted.pt", weights_only=False)  # negative control: the payload is live when unpickled
     assert marker.read_text() == "pwned"
+
+
+def test_planted_symlinks_and_fifos_neither_hang_nor_roll_back_a_resume(tmp_path):
+    run, other = tmp_path / "run", tmp_path / "other"
+    assert train.main(TINY + [f"run_dir={run}", "algo.updates=3", "checkpoint.every=1", "checkpoint.keep=3"]) == 0
+    runlock.unlock(run)  # the resume below is another process
+    shutil.copytree(run, other)
+    ckpts = run / "checkpoints"
+    (ckpts / "step_000003" / "state.pt").unlink()
+    (ckpts / "step_000003" / "state.pt").symlink_to("/dev/zero")  # would never end
+    (ckpts / "step_000002" / "model.safetensors").unlink()
+    os.mkfifo(ckpts / "step_000002" / "model.safetensors")  # would block the open forever
+    (ckpts / "step_000099").symlink_to(other / "checkpoints" / "step_000001")  # another run's, at another update
+    proc = subprocess.run([sys.executable, "-m", "nemo_rz.train", f"resume={run}", "algo.updates=4"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 3 and "step_000099 is a symlink" in warnings[0], warnings
+    assert "state.pt is a symlink (to /dev/zero)" in warnings[1] and "model.safetensors is a FIFO" in warnings[2]
+    assert f"resumed from {ckpts / 'step_000001'} at update 1" in proc.stdout and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000003", "step_000004", "step_000099"]
+    for name in ("step_000002", "step_000003", "step_000004"):  # redone, rotation counted only good checkpoints
+        checkpoint.verify(ckpts / name)
+    assert os.path.islink(ckpts / "step_000099") and sorted(p.name for p in (other / "checkpoints").iterdir()) == [
+        "step_000001", "step_000002", "step_000003"]
 
 
 # -- the package never unpickles -------------------------------------------------------------------------

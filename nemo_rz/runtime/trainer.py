@@ -310,7 +310,15 @@ class Trainer:
 
     def _restore(self, run_dir: Path) -> bool:
         """Continue from the newest intact checkpoint; False when the run stopped before its first one."""
-        found = checkpoint.load_latest(Path(run_dir) / "checkpoints", warn=self.log)
+        shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+
+        def check(path, ckpt):  # before anything is restored: a checkpoint that would not fit is skipped
+            checkpoint.check_weights(path, split_state(ckpt[0])[0], shapes)
+            for v, sd in ckpt[1].items():
+                checkpoint.check_weights(path, split_state(sd)[0], shapes, f"history.safetensors (version {v})")
+            checkpoint.check_trainer_state(path, ckpt[3])
+
+        found = checkpoint.load_latest(Path(run_dir) / "checkpoints", warn=self.log, check=check)
         if found is None:
             self.log(f"resume={run_dir}: no checkpoint yet (stopped before the first); starting the run again from update 0")
             self.metrics_log.keep_until(self.version)
