@@ -14,16 +14,14 @@ import functools
 from collections.abc import Mapping
 from importlib import metadata
 
+from nemo_rz.errors import PluginError
+
 GROUP = "nemo_rz.plugins"
 KINDS = ("correction", "loss", "task", "verifier")
 _HOME = "nemo-rz"  # the distribution whose entry points are the built-ins
 # The order lists show nemo-rz's own names in (installed metadata holds them sorted): the default first, then the
 # baselines in the order the docs compare them; unlisted names follow, alphabetically.
 _SHOWN_FIRST = ("reinforce_zero", "ppo_clip", "none", "unclipped", "tis", "token_mask", "seq_gate", "seq_gate_kl", "cis")
-
-
-class PluginError(ValueError):
-    """An unknown, duplicated or broken plugin name: bad input, reported as one line."""
 
 
 @functools.cache

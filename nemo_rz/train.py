@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 
 from nemo_rz import atomic
 from nemo_rz import config as config_lib
-from nemo_rz.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_TERMINATED, ArgumentParser, ConfigError,
-                            DivergenceError, Terminated)
+from nemo_rz.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_WORKER_FAILED,
+                            ArgumentParser, ConfigError, DivergenceError, Terminated, WorkerFailed)
 from nemo_rz.runtime import runlock
 
 
@@ -168,8 +168,8 @@ def _stopped(e: KeyboardInterrupt, run_dir: Path | None) -> int:
 
 
 def main(argv=None) -> int:
-    """Every failure a user can cause is one line on stderr: bad input exit 2, divergence 3, Ctrl-C 130,
-    SIGTERM 143."""
+    """Every failure a user can cause is one line on stderr: bad input exit 2, divergence 3, rollout workers that
+    keep failing 4, Ctrl-C 130, SIGTERM 143."""
     run_dir = None
     with _SigtermRaises() as sigterm:
         try:
@@ -186,6 +186,9 @@ def main(argv=None) -> int:
             if isinstance(e, DivergenceError):
                 print(f"error: {e}", file=sys.stderr)
                 return EXIT_DIVERGED
+            if isinstance(e, WorkerFailed):
+                print(f"error: {e}", file=sys.stderr)
+                return EXIT_WORKER_FAILED
             if isinstance(e, ValueError):  # bad config, data, checkpoints or model files
                 print(f"error: {e}", file=sys.stderr)
                 return EXIT_BAD_INPUT

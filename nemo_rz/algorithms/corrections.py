@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from nemo_rz import plugins
+from nemo_rz.errors import NonFiniteRatioError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +46,6 @@ class Correction:
     defaults: dict[str, float] = dataclasses.field(default_factory=dict)
     check: Callable[[dict[str, float]], str | None] = lambda p: None
     finite_ratios: bool = True
-
-
-class NonFiniteRatioError(ValueError):
-    """A valid token has an inf/nan importance ratio (or log-ratio)."""
 
 
 def correction(method: str) -> Correction:

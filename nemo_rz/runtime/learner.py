@@ -121,9 +121,13 @@ class Learner:
         self.model.train()
         with aux_loss.tapped(self.model, self.aux_losses) as taps:
             lp = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature)
-        nan = int(torch.isnan(lp.detach()[batch.mask.bool()]).sum())
-        if nan:  # the learner's own numbers broke (a mismatch with the rollout would give finite or -inf values)
+        valid = lp.detach()[batch.mask.bool()]
+        nan, neg_inf = int(torch.isnan(valid).sum()), int(torch.isneginf(valid).sum())
+        if nan:  # the learner's own numbers broke
             raise DivergenceError(f"{what}: the learner's logprobs are NaN on {nan} token(s) (weight norm {weight_norm(self.model):.3g})")
+        if neg_inf:  # a sampled token the learner gives probability 0: its ratio is 0 and its gradient infinite
+            raise DivergenceError(f"{what}: the learner's logprobs are -inf on {neg_inf} sampled token(s) "
+                                  f"(weight norm {weight_norm(self.model):.3g})")
         loss, m = self.loss_fn(lp, batch.rollout_logprobs, advantages, batch.mask, self.correction, **self.correction_params)
         missing = [k for k in LOSS_METRICS if k not in m]
         if missing:

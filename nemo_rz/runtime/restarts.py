@@ -11,6 +11,8 @@ import collections
 import re
 import time
 
+from nemo_rz.errors import WorkerFailed
+
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
 # A worker beats a heartbeat from a thread of its own about once a second, however long its jobs take: one silent
@@ -19,10 +21,6 @@ RESTART_WINDOW_S = 600.0
 # Ray's actor start-up) and gets STARTUP_S.
 HEARTBEAT_S = 60.0
 STARTUP_S = 180.0
-
-
-class WorkerFailed(ValueError):
-    """Rollout workers keep failing; the message holds the worker's last error."""
 
 
 def one_line(exc: BaseException) -> str:

@@ -17,11 +17,9 @@ import math
 import types
 import typing
 
+from nemo_rz.errors import OptionError
+
 RENDERING = ("tokenizer", "chat_template", "system_prompt")  # set by make_task's own arguments, not task options
-
-
-class OptionError(ValueError):
-    """A task option of the wrong type, out of range, or unknown: bad input, one line."""
 
 
 @dataclasses.dataclass(frozen=True)
