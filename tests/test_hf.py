@@ -305,6 +305,12 @@ def test_expert_count_beyond_the_tensors_is_refused_before_building(moe_kind, ke
     assert "tensors of 4 expert(s) per layer" in message and "\n" not in message
 
 
+def test_oversized_json_is_refused_before_reading(ckpt, monkeypatch):
+    monkeypatch.setattr(hf_io, "JSON_MAX_BYTES", 100)
+    with pytest.raises(ModelFileError, match=r"config.json is \d+ bytes, more than the 100 a checkpoint's JSON file"):
+        load_hf(ckpt)
+
+
 def test_tied_checkpoint_with_redundant_head_and_old_rope_buffers(ckpt):
     """Files transformers accepts (lm_head of a tied model, rotary inv_freq buffers) load too."""
     _edit_config(ckpt, tie_word_embeddings=True)

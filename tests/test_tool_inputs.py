@@ -235,6 +235,13 @@ def test_report_bad_summary_is_a_warning(capsys, tmp_path):
         assert (f"warning: {tmp_path / 'summary.json'}: ignored" in err and problem in err) if problem else err == ""
 
 
+def test_report_refuses_a_metrics_file_too_large_for_the_memory(monkeypatch, capsys, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(GOOD) + "\n" * 2000)
+    monkeypatch.setattr(common, "available_memory", lambda: 10_000)
+    _one_line_exit_2(capsys, report.main, [str(tmp_path)], f"{tmp_path / 'metrics.jsonl'} is 2.02 KiB: too large to plot")
+    assert not (tmp_path / "plots").exists()
+
+
 def test_report_keeps_the_old_plot_when_saving_fails(monkeypatch, capsys, tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(GOOD) + "\n")
     (tmp_path / "plots").mkdir()

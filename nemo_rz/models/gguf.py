@@ -122,8 +122,8 @@ def load_transformers(path: str | os.PathLike, dtype: torch.dtype = torch.float3
     try:
         model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=dtype)
     except Exception as e:  # transformers' own checks of the file (shapes, tensor types, ...)
-        raise ModelFileError(f"cannot load {file} through transformers ({type(e).__name__}: "
-                             f"{' '.join(str(e).split())[:300]}); the file is damaged or a variant nemo_rz does not read") from None
+        raise ModelFileError(f"cannot load {file} through transformers ({type(e).__name__}: {' '.join(str(e).split())[:300]}); "
+                             "the file is damaged or a variant nemo_rz does not read") from None
     model.hf_quantizer = None  # the weights are plain tensors now; save_pretrained refuses a "quantized" model
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from nemo_rz import atomic
 from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.decoder import Decoder
+from nemo_rz.models.families import qwen3_moe
 from nemo_rz.models.hf_config import CONFIG_FILE, ModelFileError, architecture_of, config_from_hf, hf_config
 
 WEIGHTS_FILE = "model.safetensors"
@@ -41,8 +42,15 @@ _NAMES_SHOWN = 3
 
 
 # -- loading -----------------------------------------------------------------------------------------------
+JSON_MAX_BYTES = 64 << 20  # config.json and the shard index are kilobytes to a few megabytes
+
+
 def _read_json(file: Path) -> object:
     try:
+        size = file.stat().st_size
+        if size > JSON_MAX_BYTES:
+            raise ModelFileError(f"{file} is {size} bytes, more than the {JSON_MAX_BYTES} a checkpoint's JSON file can "
+                                 "need; it is not a Hugging Face config or index, re-download the checkpoint")
         text = file.read_text(encoding="utf-8")
     except OSError as e:
         raise ModelFileError(f"cannot read {file}: {e.strerror or e}; check the file and its permissions") from None
@@ -89,67 +97,34 @@ def _names(items) -> str:
     return ", ".join(items[:_NAMES_SHOWN]) + more
 
 
+def _family(cfg: DecoderConfig):
+    from nemo_rz.models import families
+
+    return families.for_config(cfg)
+
+
 def ignored_tensor(name: str, cfg: DecoderConfig) -> bool:
-    # transformers ignores these too: RoPE buffers of old checkpoints, and the head of a tied model.
-    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
+    """Whether a file tensor is not a parameter (the family's rule, families.base.Family.ignored)."""
+    return _family(cfg).ignored(name, cfg)
 
 
-# -- Qwen3-MoE experts: stacked in memory, one tensor per expert in files -------------------------------------
-_STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
-PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+# -- experts: the family's layout in files (Qwen3-MoE: one tensor per expert; stacked in memory) --------------
+PER_EXPERT = qwen3_moe.PER_EXPERT
 
 
 def _per_expert_shapes(shapes: dict[str, tuple], cfg: DecoderConfig) -> dict[str, tuple]:
-    """The file names and shapes of the per-expert layout for a model's parameter shapes."""
-    if not cfg.num_experts or cfg.moe_kind != "qwen3":
-        return shapes
-    out = {}
-    for name, shape in shapes.items():
-        if name.endswith(_STACKED[0]):
-            base, (e, two_i, h) = name[: -len("gate_up_proj")], shape
-            for x in range(e):
-                out[f"{base}{x}.gate_proj.weight"] = out[f"{base}{x}.up_proj.weight"] = (two_i // 2, h)
-        elif name.endswith(_STACKED[1]):
-            base, (e, h, i) = name[: -len("down_proj")], shape
-            for x in range(e):
-                out[f"{base}{x}.down_proj.weight"] = (h, i)
-        else:
-            out[name] = shape
-    return out
+    """The file names and shapes of the family's file layout for a model's parameter shapes."""
+    return _family(cfg).file_shapes(shapes, cfg)
 
 
-def stack_experts(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """Per-expert tensors -> the model's stacked parameters (gate rows, then up rows)."""
-    out = {name: t for name, t in tensors.items() if not PER_EXPERT.search(name)}
-    for name, shape in shapes.items():
-        if name.endswith(_STACKED[0]):
-            base = name[: -len("gate_up_proj")]
-            out[name] = torch.stack([torch.cat([tensors.pop(f"{base}{x}.gate_proj.weight"), tensors.pop(f"{base}{x}.up_proj.weight")])
-                                     for x in range(shape[0])])
-        elif name.endswith(_STACKED[1]):
-            base = name[: -len("down_proj")]
-            out[name] = torch.stack([tensors.pop(f"{base}{x}.down_proj.weight") for x in range(shape[0])])
-    return out
+def stack_experts(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], cfg: DecoderConfig | None = None) -> dict[str, torch.Tensor]:
+    """File tensors (per-expert) -> the model's stacked parameters, by `cfg`'s family (None: Qwen3-MoE's layout)."""
+    return (qwen3_moe.FAMILY if cfg is None else _family(cfg)).stack(tensors, shapes)
 
 
 def _unstack_experts(tensors: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
-    """The model's stacked Qwen3-MoE experts -> one tensor per expert, as transformers saves them."""
-    if not cfg.num_experts or cfg.moe_kind != "qwen3":
-        return tensors
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith(_STACKED[0]):
-            base, i = name[: -len("gate_up_proj")], t.shape[1] // 2
-            for x in range(t.shape[0]):
-                out[f"{base}{x}.gate_proj.weight"] = t[x, :i].contiguous()
-                out[f"{base}{x}.up_proj.weight"] = t[x, i:].contiguous()
-        elif name.endswith(_STACKED[1]):
-            base = name[: -len("down_proj")]
-            for x in range(t.shape[0]):
-                out[f"{base}{x}.down_proj.weight"] = t[x].contiguous()
-        else:
-            out[name] = t
-    return out
+    """The model's parameters -> the tensors the family's files hold."""
+    return _family(cfg).unstack(tensors, cfg)
 
 
 def _open(file: Path):
@@ -289,7 +264,8 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: di
         except ValueError as e:
             raise ModelFileError(f"{where}: {e}") from None
         found = {n: (None, tuple(t.shape), _SAFETENSORS_NAMES.get(t.dtype, str(t.dtype))) for n, t in tensors.items()}
-    per_expert = any(PER_EXPERT.search(name) for name in found)
+    layout = _family(cfg).per_expert
+    per_expert = layout is not None and any(layout.search(name) for name in found)
     expected = _per_expert_shapes(shapes, cfg) if per_expert else shapes
     _check({n: (shape, dtype) for n, (_, shape, dtype) in found.items()}, expected, where, arch, cfg)
     own = lambda t: _owned(t, cfg)  # noqa: E731
@@ -300,7 +276,7 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: di
             f"non-finite values (NaN/Inf) in {len(nonfinite)} tensor(s) in {where}: {_names(nonfinite)}; the "
             "checkpoint is corrupt or from a diverged run — use an earlier checkpoint"
         )
-    return stack_experts(out, shapes) if per_expert else out
+    return stack_experts(out, shapes, cfg) if per_expert else out
 
 
 def load_hf(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Decoder:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from nemo_rz import atomic
 from nemo_rz.errors import ArgumentParser
-from nemo_rz.tools.common import fail, regular_file_problem
+from nemo_rz.tools.common import fail, human_bytes, regular_file_problem, usable_memory
 
 PANELS = [
     ("reward", "reward (train batch mean)"),
@@ -26,6 +26,7 @@ PANELS = [
 LAG_MAX = 64  # algo.max_lag's largest value: a run never records a larger lag (and the histogram has a bin per lag)
 LINE_MAX = 1 << 20  # characters of one metrics row; a longer line is not a row nemo_rz.train wrote
 WARNINGS_SHOWN = 5
+ROW_MEMORY_FACTOR = 8  # bytes of parsed rows (dicts of floats) per byte of metrics.jsonl, generously
 
 
 UPDATE_MAX = 10**9
@@ -75,6 +76,10 @@ def load_metrics(run_dir: Path, warn=None) -> list[dict]:
         raise ValueError(f"{path} not found: give a run directory written by nemo_rz.train")
     rows, skipped = [], []
     try:
+        size = path.stat().st_size
+        if size * ROW_MEMORY_FACTOR > usable_memory():  # the parsed rows take several times the text
+            raise ValueError(f"{path} is {human_bytes(size)}: too large to plot with the {human_bytes(usable_memory())} "
+                             "of memory usable here; plot a copy holding the rows you need")
         with open(path, encoding="utf-8", errors="strict", newline="") as f:
             lineno = 0
             while True:
