@@ -33,15 +33,18 @@ from nemo_rz.models.decoder import Decoder
 from nemo_rz.models.moe import recorded_routing
 
 
+def _longs(values: list[int]) -> torch.Tensor:
+    return torch.from_numpy(np.array(values, dtype=np.int64))  # (several times faster than torch.tensor)
+
+
 @dataclasses.dataclass
 class Query:
-    """One running request's share of a step: `tokens` at positions start.., rows first.. of the forward, and
-    its rows of the step's logprobs (`scored`): every row of a decoding request's query, the last row of a
+    """One running request's share of a step: `tokens` (at its next positions) in rows first.. of the forward,
+    and its rows of the step's logprobs (`scored`): every row of a decoding request's query, the last row of a
     prompt's final chunk, none for an earlier chunk."""
 
     request: Request
     tokens: list[int]
-    start: int
     first: int
     scored: range
 
@@ -56,8 +59,8 @@ class StepPolicy(Protocol):
     def bind(self, model: Decoder, stats: collections.Counter) -> None:
         """The target the engine runs and the engine's counters (one engine per policy)."""
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Load the policy's own weights from a policy state dict; return the target's."""
+    def load_weights(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Load this policy's own weights from the parts that travel with the target's (a draft's, by name)."""
 
     def prepare(self, slots: int, max_len: int) -> None:
         """Per-slot state for `slots` requests of up to `max_len` tokens."""
@@ -89,8 +92,8 @@ class PlainPolicy:
     def bind(self, model, stats) -> None:
         pass
 
-    def load_weights(self, state_dict):
-        return state_dict
+    def load_weights(self, parts):
+        pass
 
     def prepare(self, slots, max_len) -> None:
         pass
@@ -107,8 +110,12 @@ class PlainPolicy:
     def consume(self, queries, logp):
         if logp is None:
             return [[] for _ in queries]
-        tokens = iter(sample(logp, [q.request for q in queries if q.scored]).tolist())
-        return [[next(tokens)] if q.scored else [] for q in queries]
+        scored = [q.request for q in queries if q.scored]
+        tokens = sample(logp, scored).tolist()
+        if len(scored) == len(queries):
+            return [[t] for t in tokens]
+        it = iter(tokens)
+        return [[next(it)] if q.scored else [] for q in queries]
 
     def release(self, req, clear) -> None:
         pass
@@ -162,10 +169,12 @@ class RolloutEngine:
 
     # -- weights -----------------------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load new weights between generate calls; cached prefixes of the old weights are dropped. The
-        policy takes its own share first (a speculator: its draft's weights, keys under `draft.`)."""
-        self.model.load_state_dict(self.policy.load_weights(state_dict), strict=True)
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int,
+                       parts: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+        """Load new weights between generate calls; cached prefixes of the old weights are dropped. The step
+        policy takes its own from `parts` (runtime.weights.WeightsBundle.parts: a speculator, the draft's)."""
+        self.model.load_state_dict(state_dict, strict=True)
+        self.policy.load_weights(parts or {})
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         self.weight_version = int(version)
@@ -259,26 +268,28 @@ class RolloutEngine:
             start, first = req.computed, len(ids)
             if req.tokens:
                 tokens = next(decode_queries)
-                scored = len(tokens)  # every row: the last token's and each proposal's
+                n = len(tokens)
+                scored = n  # every row: the last token's and each proposal's
             else:
                 tokens = self._prompt_chunk(req)
-                n_prefill += len(tokens)
-                scored = int(start + len(tokens) == len(req.prompt))  # the last row of the prompt's final chunk
-            rows += range(first + len(tokens) - scored, first + len(tokens))
-            queries.append(Query(req, tokens, start, first, range(len(rows) - scored, len(rows))))
+                n = len(tokens)
+                n_prefill += n
+                scored = int(start + n == len(req.prompt))  # the last row of the prompt's final chunk
+            queries.append(Query(req, tokens, first, range(len(rows), len(rows) + scored)))
+            rows += range(first + n - scored, first + n)
             ids += tokens
-            pos += range(start, start + len(tokens))
-            seq += [req.slot] * len(tokens)
-            req.computed = start + len(tokens)
+            pos += range(start, start + n)
+            seq += [req.slot] * n
+            req.computed = start + n
         self.stats["prefill_tokens"] += n_prefill
         self.stats["decode_tokens"] += len(ids) - n_prefill
         self.stats["steps"] += 1
-        return queries, torch.from_numpy(np.array(ids + pos + seq, dtype=np.int64)).view(3, -1), rows
+        return queries, _longs(ids + pos + seq).view(3, -1), rows
 
     def _score(self, queries: list[Query], hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logprobs [len(rows), V] of the scored rows, each at its request's temperature (greedy: 1)."""
         if len(rows) < hidden.shape[0]:
-            hidden = hidden.index_select(0, torch.tensor(rows))
+            hidden = hidden.index_select(0, _longs(rows))
         temps = [q.request.params.temperature or 1.0 for q in queries for _ in q.scored]
         temperature = temps[0] if len(set(temps)) == 1 else torch.tensor(temps, dtype=torch.float32)
         return ops.log_softmax(self.model.logits(hidden), temperature)
@@ -287,10 +298,11 @@ class RolloutEngine:
               experts: torch.Tensor | None) -> list[Request]:
         """Append each query's emitted tokens with their logprobs (token i from its scored row i) and, for MoE
         models, their rows' experts; returns the requests that finished."""
-        at = [q.scored[i] for q, tokens in zip(queries, emitted) for i in range(len(tokens))]
+        vocab = 0 if logp is None else logp.shape[1]
+        at = [(q.scored.start + i) * vocab + t for q, tokens in zip(queries, emitted) for i, t in enumerate(tokens)]
         if not at:
             return []
-        chosen = logp[torch.tensor(at), torch.tensor([t for tokens in emitted for t in tokens])].tolist()
+        chosen = torch.take(logp, _longs(at)).tolist()
         finished, n = [], 0
         for q, tokens in zip(queries, emitted):
             if not tokens:
@@ -301,18 +313,13 @@ class RolloutEngine:
                 req.prompt_stored = True
             if experts is not None:
                 req.routing += experts[q.scored.start : q.scored.start + len(tokens)]
-            if self._append(req, tokens, chosen[n : n + len(tokens)]):
-                finished.append(req)
+            for token, logprob in zip(tokens, chosen[n : n + len(tokens)]):  # up to the first that finishes it
+                req.tokens.append(token)
+                req.logprobs.append(logprob)
+                if token in req.params.stop_token_ids or len(req.tokens) >= req.params.max_new_tokens:
+                    finished.append(req)
+                    break
             n += len(tokens)
-            req.computed = len(req.sequence) - 1  # the last token is fed next step; refused proposals' entries go
+            # The last token is fed next step; the cache entries of the query's refused proposals are dropped.
+            req.computed = len(req.prompt) + len(req.tokens) - 1
         return finished
-
-    @staticmethod
-    def _append(req: Request, tokens: list[int], logprobs: list[float]) -> bool:
-        """Append emitted tokens up to the first that finishes the request; True when it is finished."""
-        for token, logprob in zip(tokens, logprobs):
-            req.tokens.append(token)
-            req.logprobs.append(logprob)
-            if token in req.params.stop_token_ids or len(req.tokens) >= req.params.max_new_tokens:
-                return True
-        return False

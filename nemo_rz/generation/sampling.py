@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 
 from nemo_rz import ops
@@ -74,7 +75,7 @@ def sample(logp: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         return logp.argmax(1)
     # Row-invariant probabilities, then a per-row sequential float64 prefix sum.
     cdf = torch.cumsum(ops.probabilities(logp), 1, dtype=torch.float64)
-    u = torch.tensor([0.0 if r.params.temperature == 0 else r.uniforms[len(r.tokens)] for r in requests], dtype=torch.float64)
+    u = torch.from_numpy(np.array([0.0 if r.params.temperature == 0 else r.uniforms[len(r.tokens)] for r in requests]))
     x = (u * cdf[:, -1]).unsqueeze(1)  # < the row's total mass
     tokens = torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=vocab - 1)
     if greedy:

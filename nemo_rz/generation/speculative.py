@@ -29,12 +29,13 @@ import contextlib
 import dataclasses
 import time
 
+import numpy as np
 import torch
 
 from nemo_rz import ops
 from nemo_rz.generation.prefix_cache import PrefixCache
 from nemo_rz.generation.sampling import sample
-from nemo_rz.models.draft import DraftHead, aux_features, split_state
+from nemo_rz.models.draft import DraftHead, aux_features
 
 
 @dataclasses.dataclass
@@ -87,12 +88,10 @@ class SpeculativePolicy:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A policy state dict: load the draft's weights (keys under `draft.`, if any); return the target's."""
-        target, draft = split_state(state_dict)
-        if draft is not None:
-            self.load(draft)
-        return target
+    def load_weights(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
+        """The draft's weights, when this version ships them (a co-trained draft); else the draft stays as it is."""
+        if "draft" in parts:
+            self.load(parts["draft"])
 
     @staticmethod
     def _pairs(prompt: list[int]) -> list[tuple[int, int]]:
@@ -211,7 +210,7 @@ class SpeculativePolicy:
             seq += [req.slot] * (req.computed - state.fed)
             last.append(len(toks) - 1)
             state.fed, state.pending = req.computed, []
-        t = lambda x: torch.tensor(x, dtype=torch.long)
+        t = lambda x: torch.from_numpy(np.array(x, dtype=np.int64))  # (several times faster than torch.tensor)
         g = draft.step(model, draft.fc(torch.cat(aux)), t(toks), t(pos), t(seq), cache)
         g = g.index_select(0, t(last))
         for req in ready:
