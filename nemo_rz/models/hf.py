@@ -159,7 +159,6 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _ROUTER = re.compile(r"^model\.layers\.\d+\.mlp\.(gate|router)\.weight$")
 _EXPERT_INDEX = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 _STACKED_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)(_blocks)?$")
-_MOE_KEYS = {"Qwen3MoeForCausalLM": ("num_experts", "num_local_experts"), "GptOssForCausalLM": ("num_local_experts",)}
 
 
 def _count(d: dict, key: str) -> int | None:
@@ -182,7 +181,10 @@ def check_counts(d: dict, source: str, headers: dict[str, tuple[Path, tuple, str
                 f"num_hidden_layers={layers} in {source} is more than the weights hold: {where} has {held}; "
                 "fix config.json or re-download the weights"
             )
-    for key in _MOE_KEYS.get(arch, ()):
+    from nemo_rz.models import families
+
+    fam = families.by_architecture(arch)
+    for key in fam.expert_keys if fam is not None else ():
         experts = _count(d, key)
         if experts is None:
             continue

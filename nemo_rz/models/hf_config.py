@@ -9,7 +9,6 @@ file, what to do.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -20,35 +19,29 @@ from nemo_rz.ops.rope import ROPE_TYPES
 CONFIG_FILE = "config.json"
 
 
-@dataclasses.dataclass(frozen=True)
-class Family:
-    model_type: str
-    qk_norm: bool
-    bias: str  # "qkv": q/k/v biases always (Qwen2); "config": attention_bias sets q/k/v/o; "none"
-    max_positions: int  # transformers' default max_position_embeddings
-    head_dim: int | None = None  # transformers' default head_dim (None: hidden_size // heads)
-    windows: str = "none"  # which layers slide: see _layer_windows
-    rms_norm_eps: float = 1e-6
-    tie: bool = False  # default tie_word_embeddings
-    theta: float = 10000.0  # default rope_theta
+def _families():
+    from nemo_rz.models import families  # the family modules import this module's readers
+
+    return families
 
 
-ARCHITECTURES = {
-    "Qwen3ForCausalLM": Family("qwen3", True, "config", 32768, 128, "qwen"),
-    "Qwen2ForCausalLM": Family("qwen2", False, "qkv", 32768, None, "qwen"),
-    "LlamaForCausalLM": Family("llama", False, "config", 2048),
-    "MistralForCausalLM": Family("mistral", False, "none", 4096 * 32, None, "all"),
-    "Qwen3MoeForCausalLM": Family("qwen3_moe", True, "config", 32768, None, "all_if_used"),
-    "GptOssForCausalLM": Family("gpt_oss", False, "config", 131072, 64, "layer_types", 1e-5, False, 150000.0),
-    "Gemma3ForCausalLM": Family("gemma3_text", True, "config", 131072, 256, "layer_types", 1e-6, True, 1e6),
-}
-SUPPORTED = ", ".join(ARCHITECTURES)
-_BY_MODEL_TYPE = {f.model_type: arch for arch, f in ARCHITECTURES.items()}
+def __getattr__(name: str):
+    """ARCHITECTURES ({architecture: Family}), SUPPORTED and Family, read from the family registry
+    (nemo_rz.models.families) at each access, so families registered at run time are included."""
+    if name == "ARCHITECTURES":
+        return _families().TABLE
+    if name == "SUPPORTED":
+        return _families().supported()
+    if name == "Family":
+        from nemo_rz.models.families.base import Family
+
+        return Family
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 _DEFAULT_MAX_WINDOW_LAYERS = 28
 # quantization_config.quant_method -> the recipe that keeps the release's values (nemo_rz.quant.checkpoints)
 QUANTIZED_CHECKPOINTS = {"fp8": "fp8_block", "mxfp4": "mxfp4"}
-_GPT_OSS_SWIGLU_ALPHA = 1.702
-_GEMMA_LOCAL_THETA = 10000.0
 
 
 class ModelFileError(ValueError):
@@ -68,15 +61,16 @@ def architecture_of(d: dict, source: str) -> str:
         arch = archs[0]
     else:
         model_type = d.get("model_type")
-        if model_type not in _BY_MODEL_TYPE:
+        fam = _families().by_model_type(model_type) if isinstance(model_type, str) else None
+        if fam is None:
             raise ModelFileError(
                 f"{source} names no architecture ('architectures' missing, model_type={model_type!r}): "
-                f"nemo_rz loads {SUPPORTED}; add \"architectures\": [\"<one of these>\"] to config.json"
+                f"nemo_rz loads {_families().supported()}; add \"architectures\": [\"<one of these>\"] to config.json"
             )
-        arch = _BY_MODEL_TYPE[model_type]
-    if arch not in ARCHITECTURES:
+        arch = fam.architecture
+    if _families().by_architecture(arch) is None:
         raise ModelFileError(
-            f"unsupported architecture {arch!r} in {source}: nemo_rz loads {SUPPORTED}; "
+            f"unsupported architecture {arch!r} in {source}: nemo_rz loads {_families().supported()}; "
             "use a checkpoint of one of these families"
         )
     return arch
@@ -168,7 +162,7 @@ def _one_rope(p: dict, d: dict, source: str, where: str, default_theta: float) -
     return theta, scaling
 
 
-def _rope(d: dict, source: str, fam: Family, model_type: str) -> tuple[float, dict | None, float | None]:
+def _rope(d: dict, source: str, fam, model_type: str) -> tuple[float, dict | None, float | None]:
     """(theta, scaling, sliding layers' theta or None) wherever transformers puts them: rope_parameters (v5),
     rope_scaling (legacy; it wins) or the top level, one entry or one per layer type."""
     params = d.get("rope_scaling") or d.get("rope_parameters") or {}
@@ -178,14 +172,14 @@ def _rope(d: dict, source: str, fam: Family, model_type: str) -> tuple[float, di
     nested = {k: v for k, v in params.items() if k in LAYER_TYPES}
     if not nested:
         theta, scaling = _one_rope(params, d, source, where, fam.theta)
-        if model_type == "gemma3_text":  # legacy Gemma 3: the scaling is the full layers', rope_local_base_freq the rest
-            return theta, scaling, _float(d, "rope_local_base_freq", source, _GEMMA_LOCAL_THETA)
+        if fam.local_theta is not None:  # legacy Gemma 3: the scaling is the full layers', rope_local_base_freq the rest
+            return theta, scaling, _float(d, "rope_local_base_freq", source, fam.local_theta)
         return theta, scaling, None
     if len(nested) != len(params):
         raise ModelFileError(
             f"{where!r} in {source} mixes per-layer-type entries with other keys; use one form; fix config.json"
         )
-    local_default = _GEMMA_LOCAL_THETA if model_type == "gemma3_text" else fam.theta
+    local_default = fam.local_theta if fam.local_theta is not None else fam.theta
     theta, scaling = _one_rope(nested.get("full_attention") or {}, d, source, f"{where}.full_attention", fam.theta)
     local, local_scaling = _one_rope(nested.get("sliding_attention") or {}, d, source, f"{where}.sliding_attention", local_default)
     if local_scaling is not None:
@@ -211,7 +205,7 @@ def _layer_types(d: dict, source: str, layers: int, default: list[str]) -> list[
     return types
 
 
-def _layer_windows(d: dict, source: str, fam: Family, layers: int) -> tuple[int | None, list[str] | None]:
+def _layer_windows(d: dict, source: str, fam, layers: int) -> tuple[int | None, list[str] | None]:
     """(sliding_window, layer_types) in DecoderConfig's form (layer_types None when all layers are alike)."""
     full = ["full_attention"] * layers
     if fam.windows == "none":
@@ -227,43 +221,22 @@ def _layer_windows(d: dict, source: str, fam: Family, layers: int) -> tuple[int 
             first = _int(d, "max_window_layers", source, _DEFAULT_MAX_WINDOW_LAYERS, minimum=0)
             types = _layer_types(d, source, layers, ["sliding_attention" if i >= first else "full_attention" for i in range(layers)])
     else:  # gpt-oss, Gemma 3: layer_types, or their default pattern
-        pattern = 2 if fam.model_type == "gpt_oss" else _int(d, "sliding_window_pattern", source, None) or _int(d, "_sliding_window_pattern", source, 6)
+        pattern = fam.pattern(d, source)
         types = _layer_types(d, source, layers, ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)])
     if "sliding_attention" not in types:
         return None, None
-    window = _int(d, "sliding_window", source, 4096 if fam.model_type == "gemma3_text" else 128 if fam.model_type == "gpt_oss" else None)
+    window = _int(d, "sliding_window", source, fam.default_window)
     if window is None:
         raise ModelFileError(f"{source} has sliding-window layers but no 'sliding_window'; fix config.json")
     return window, None if all(t == "sliding_attention" for t in types) else types
 
 
-def _moe(d: dict, source: str, fam: Family, layers: int) -> dict:
-    """The DecoderConfig mixture-of-experts keys of a Qwen3-MoE or gpt-oss config (empty for dense families)."""
-    if fam.model_type == "qwen3_moe":
-        experts = d.get("num_experts", d.get("num_local_experts"))  # the hub's name, and some saves' name
-        experts = _int({"num_experts": experts}, "num_experts", source, 128, minimum=0)
-        step = _int(d, "decoder_sparse_step", source, 1)
-        dense = d.get("mlp_only_layers") or []
-        if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
-            raise ModelFileError(f"'mlp_only_layers' in {source} is {dense!r}: expected a list of layer indices; fix config.json")
-        moe_layers = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
-        out = dict(num_experts=experts, moe_kind="qwen3", num_experts_per_tok=_int(d, "num_experts_per_tok", source, 8),
-                   moe_intermediate_size=_int(d, "moe_intermediate_size", source, 768),
-                   norm_topk_prob=_bool(d, "norm_topk_prob", source, False))
-    elif fam.model_type == "gpt_oss":
-        alpha = d.get("swiglu_alpha", _GPT_OSS_SWIGLU_ALPHA)
-        if alpha != _GPT_OSS_SWIGLU_ALPHA:
-            raise ModelFileError(
-                f"swiglu_alpha={alpha!r} in {source} is not supported: gpt-oss experts use {_GPT_OSS_SWIGLU_ALPHA}; "
-                "use a gpt-oss checkpoint"
-            )
-        moe_layers = list(range(layers))
-        out = dict(num_experts=_int(d, "num_local_experts", source, 128), moe_kind="gpt_oss",
-                   num_experts_per_tok=_int(d, "num_experts_per_tok", source, 4),
-                   moe_intermediate_size=_int(d, "intermediate_size", source, 2880),
-                   swiglu_limit=_float(d, "swiglu_limit", source, 7.0))
-    else:
+def _moe(d: dict, source: str, fam, layers: int) -> dict:
+    """The DecoderConfig mixture-of-experts keys of a MoE family's config (empty for dense families)."""
+    found = fam.moe(d, source, layers)
+    if found is None:
         return {}
+    out, moe_layers = found
     if out["num_experts"] == 0 or not moe_layers:
         return dict(num_experts=0)
     if out["num_experts_per_tok"] > out["num_experts"]:
@@ -275,27 +248,11 @@ def _moe(d: dict, source: str, fam: Family, layers: int) -> dict:
     return out
 
 
-def _family_keys(d: dict, source: str, fam: Family, arch: str) -> dict:
+def _family_keys(d: dict, source: str, fam, arch: str) -> dict:
     """The DecoderConfig keys that only some families set (norm, activation, sinks, Gemma's scalars)."""
     if d.get("mlp_bias"):
         raise ModelFileError(f"mlp_bias=true in {source} is not supported: nemo_rz's MLP has no biases")
-    if fam.model_type == "gemma3_text":
-        act = d.get("hidden_activation", d.get("hidden_act")) or "gelu_pytorch_tanh"
-        if act != "gelu_pytorch_tanh":
-            raise ModelFileError(
-                f"hidden_activation={act!r} in {source} is not supported: Gemma 3 uses gelu_pytorch_tanh; fix config.json"
-            )
-        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-            _refuse_set(d, source, key, "nemo_rz does not implement logit soft-capping")
-        _refuse_set(d, source, "use_bidirectional_attention", "nemo_rz's decoder is causal")
-        return dict(norm="gemma", sandwich_norm=True, hidden_act="gelu_tanh", embed_scale=True,
-                    query_pre_attn_scalar=_float(d, "query_pre_attn_scalar", source, 256.0))
-    if fam.model_type != "gpt_oss":  # gpt-oss experts ignore hidden_act
-        act = d.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ModelFileError(f"hidden_act={act!r} in {source} is not supported: {arch}'s MLP is SwiGLU (silu) in nemo_rz")
-        return {}
-    return dict(norm="rms_f32", attention_sinks=True)
+    return fam.family_keys(d, source)
 
 
 def _dtype(d: dict, dtype) -> str:
@@ -318,7 +275,7 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
     if not isinstance(d, dict):
         raise ModelFileError(f"{source} holds a {type(d).__name__}, not a JSON object; fix or re-download config.json")
     arch = architecture_of(d, source)
-    fam = ARCHITECTURES[arch]
+    fam = _families().by_architecture(arch)
     quant = d.get("quantization_config")
     if quant and (not isinstance(quant, dict) or quant.get("quant_method") not in QUANTIZED_CHECKPOINTS):
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -327,7 +284,7 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
             f"{' and '.join(QUANTIZED_CHECKPOINTS)} checkpoints; use one of these or the float release of the model"
         )
     extra = _family_keys(d, source, fam, arch)
-    biased = {"qkv": True, "none": False}.get(fam.bias, _bool(d, "attention_bias", source, fam.model_type == "gpt_oss"))
+    biased = {"qkv": True, "none": False}.get(fam.bias, _bool(d, "attention_bias", source, fam.bias_default))
     heads = _int(d, "num_attention_heads", source, required=True)
     hidden = _int(d, "hidden_size", source, required=True)
     layers = _int(d, "num_hidden_layers", source, required=True)
@@ -375,25 +332,15 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
 
 # -- writing -------------------------------------------------------------------------------------------------
 def architecture_for(cfg: DecoderConfig) -> str:
-    """The architecture a model with `cfg` is saved as by default."""
-    if cfg.norm == "gemma":
-        return "Gemma3ForCausalLM"
-    if cfg.num_experts:
-        return "GptOssForCausalLM" if cfg.moe_kind == "gpt_oss" else "Qwen3MoeForCausalLM"
-    if cfg.qk_norm:
-        return "Qwen3ForCausalLM"
-    if cfg.attention_bias and not cfg.o_proj_bias:
-        return "Qwen2ForCausalLM"
-    if cfg.window(0) is not None and cfg.layer_types is None and not cfg.attention_bias:
-        return "MistralForCausalLM"
-    return "LlamaForCausalLM"
+    """The architecture a model with `cfg` is saved as by default (the family that claims it: families.for_config)."""
+    return _families().for_config(cfg).architecture
 
 
 def _rope_entry(theta: float, scaling: dict | None) -> dict:
     return {"rope_type": "default", "rope_theta": theta} if scaling is None else {**scaling, "rope_theta": theta}
 
 
-def _written(cfg: DecoderConfig, fam: Family, arch: str) -> dict:
+def _written(cfg: DecoderConfig, fam, arch: str) -> dict:
     theta = float(cfg.rope_theta)
     types = [("sliding_attention" if w is not None else "full_attention") for w in cfg.windows()]
     sliding = "sliding_attention" in types
@@ -424,35 +371,7 @@ def _written(cfg: DecoderConfig, fam: Family, arch: str) -> dict:
     }
     if fam.bias == "config":
         out["attention_bias"] = cfg.attention_bias
-    mt = fam.model_type
-    if mt == "llama":
-        out.update(mlp_bias=False, pretraining_tp=1)
-    elif mt in ("qwen2", "qwen3"):
-        out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window if sliding else None,
-                   max_window_layers=types.index("sliding_attention") if sliding else cfg.num_layers, layer_types=types)
-    elif mt == "mistral":
-        out["sliding_window"] = cfg.sliding_window if sliding else None
-    elif mt == "qwen3_moe":
-        moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
-        out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window if sliding else None,
-                   num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
-                   decoder_sparse_step=1, mlp_only_layers=[i for i in range(cfg.num_layers) if i not in moe])
-    elif mt == "gpt_oss":
-        out.pop("rope_scaling")
-        out.update(layer_types=types, sliding_window=cfg.sliding_window or 128, num_local_experts=cfg.num_experts,
-                   num_experts_per_tok=cfg.num_experts_per_tok, intermediate_size=cfg.moe_intermediate_size,
-                   swiglu_limit=cfg.swiglu_limit, swiglu_alpha=_GPT_OSS_SWIGLU_ALPHA)
-    elif mt == "gemma3_text":
-        for key in ("hidden_act", "rope_theta", "rope_scaling"):
-            out.pop(key)
-        local = cfg.rope_local_theta if cfg.rope_local_theta is not None else theta
-        scalar = cfg.query_pre_attn_scalar or cfg.head_dim
-        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
-                   layer_types=types, sliding_window=cfg.sliding_window or 4096, final_logit_softcapping=None,
-                   attn_logit_softcapping=None, use_bidirectional_attention=False,
-                   rope_parameters={"full_attention": _rope_entry(theta, cfg.rope_scaling),
-                                    "sliding_attention": _rope_entry(local, None if cfg.rope_local_theta is not None else cfg.rope_scaling)})
+    fam.write(cfg, out, types, sliding)
     return out
 
 
@@ -475,9 +394,10 @@ def hf_config(cfg: DecoderConfig, architecture: str | None = None) -> dict:
     """The config.json dict transformers needs to load a Decoder with `cfg` as `architecture` (None: the
     natural one, architecture_for). Refuses (ValueError) a model the architecture cannot express."""
     architecture = architecture or architecture_for(cfg)
-    if architecture not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {architecture!r}: nemo_rz writes {SUPPORTED}")
-    out = _written(cfg, ARCHITECTURES[architecture], architecture)
+    fam = _families().by_architecture(architecture)
+    if fam is None:
+        raise ValueError(f"unsupported architecture {architecture!r}: nemo_rz writes {_families().supported()}")
+    out = _written(cfg, fam, architecture)
     try:
         back = config_from_hf(out, "the written config", cfg.dtype)
     except ValueError as e:
@@ -486,7 +406,7 @@ def hf_config(cfg: DecoderConfig, architecture: str | None = None) -> dict:
     if back is None or _structure(back) != mine:
         theirs = {} if back is None else _structure(back)
         differ = sorted(k for k in mine if mine.get(k) != theirs.get(k))
-        fits = [a for a in ARCHITECTURES if a != architecture and _fits(cfg, a)]
+        fits = [a for a in _families().TABLE if a != architecture and _fits(cfg, a)]
         hint = f"save it as {' or '.join(fits)}" if fits else "no supported architecture has this combination"
         what = ", ".join(f"{k}={getattr(cfg, k, mine[k])!r}" for k in differ[:4]) if back is not None else error
         raise ValueError(f"cannot save as {architecture}: the model has {what}, which {architecture} cannot express; {hint}")
@@ -495,7 +415,7 @@ def hf_config(cfg: DecoderConfig, architecture: str | None = None) -> dict:
 
 def _fits(cfg: DecoderConfig, architecture: str) -> bool:
     try:
-        back = config_from_hf(_written(cfg, ARCHITECTURES[architecture], architecture), "the written config", cfg.dtype)
+        back = config_from_hf(_written(cfg, _families().by_architecture(architecture), architecture), "the written config", cfg.dtype)
     except ValueError:
         return False
     return _structure(back) == _structure(cfg)

@@ -20,6 +20,7 @@ from torch import nn
 
 from nemo_rz import ops
 from nemo_rz.models.config import DecoderConfig
+from nemo_rz.models.families import gpt_oss, qwen3_moe
 from nemo_rz.models.layers import Linear
 from nemo_rz.ops.weight_cache import derived
 
@@ -88,11 +89,13 @@ class Qwen3MoeExperts(nn.Module):
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
 
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return qwen3_moe.activation(gate_up)
+
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         rows, which = _pairs(x, experts)
         gate_up = ops.expert_linear(rows, which, transposed(self.gate_up_proj), None)
-        i = gate_up.shape[1] // 2
-        y = ops.expert_linear(ops.silu_and_mul(gate_up[:, :i], gate_up[:, i:]), which, transposed(self.down_proj), None)
+        y = ops.expert_linear(self.activation(gate_up), which, transposed(self.down_proj), None)
         return ops.moe_combine(y, weights, experts)
 
 
@@ -126,11 +129,13 @@ class GptOssExperts(nn.Module):
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
 
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gpt_oss.activation(gate_up, self.limit)
+
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         rows, which = _pairs(x, experts)
         gate_up = ops.expert_linear(rows, which, self.gate_up_proj, self.gate_up_proj_bias)
-        act = ops.clamped_swiglu(gate_up[:, ::2], gate_up[:, 1::2], self.limit, 1.702)
-        y = ops.expert_linear(act, which, self.down_proj, self.down_proj_bias)
+        y = ops.expert_linear(self.activation(gate_up), which, self.down_proj, self.down_proj_bias)
         return ops.moe_combine(y, weights, experts)
 
 
@@ -148,4 +153,4 @@ class GptOssMoe(_Routed):
         return ops.softmax(logits), experts
 
 
-KINDS = {"qwen3": Qwen3Moe, "gpt_oss": GptOssMoe}
+KINDS = {qwen3_moe.FAMILY.moe_kind: Qwen3Moe, gpt_oss.FAMILY.moe_kind: GptOssMoe}  # the families' moe_kind

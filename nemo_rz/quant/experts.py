@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from nemo_rz import ops
+from nemo_rz.models.families import gpt_oss, qwen3_moe
 from nemo_rz.models.moe import GptOssExperts, Qwen3MoeExperts
 from nemo_rz.ops.weight_cache import derived, forget_weight_copies
 from nemo_rz.quant.linear import Precision, dequantized
@@ -28,16 +29,9 @@ class Family:
     activation: Callable  # (experts module, gate_up [M, 2I]) -> [M, I]
 
 
-def _silu_halves(m, gate_up):
-    i = gate_up.shape[1] // 2
-    return ops.silu_and_mul(gate_up[:, :i], gate_up[:, i:])
-
-
-def _clamped_swiglu_interleaved(m, gate_up):
-    return ops.clamped_swiglu(gate_up[:, ::2], gate_up[:, 1::2], m.limit, 1.702)
-
-
-FAMILIES = {Qwen3MoeExperts: Family(True, _silu_halves), GptOssExperts: Family(False, _clamped_swiglu_interleaved)}
+# the activations are the families' own (nemo_rz.models.families), as the experts' forward uses them
+FAMILIES = {Qwen3MoeExperts: Family(True, lambda m, gate_up: qwen3_moe.activation(gate_up)),
+            GptOssExperts: Family(False, lambda m, gate_up: gpt_oss.activation(gate_up, m.limit))}
 WEIGHTS = ("gate_up_proj", "down_proj")
 
 

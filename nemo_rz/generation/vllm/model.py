@@ -32,7 +32,8 @@ from nemo_rz import ops
 from nemo_rz.generation.vllm.attention import NemoRZAttentionBackend, PagedKVCache
 from nemo_rz.models.config import DTYPES
 from nemo_rz.models.decoder import Decoder, Tokens
-from nemo_rz.models.hf import CONFIG_FILE, PER_EXPERT, config_from_hf, ignored_tensor, stack_experts
+from nemo_rz.models import families
+from nemo_rz.models.hf import CONFIG_FILE, config_from_hf
 from nemo_rz.quant.apply import apply_precision
 
 
@@ -135,17 +136,18 @@ class NemoRZForCausalLM(nn.Module):
 
         params = dict(self.named_parameters())
         loaded, per_expert = set(), {}
+        family = families.for_config(self.config)  # the family's file layout (families.base.Family)
         for name, tensor in weights:
-            if ignored_tensor(name, self.config):
+            if family.ignored(name, self.config):
                 continue
-            if PER_EXPERT.search(name):  # Qwen3-MoE files hold one tensor per expert: stacked below
+            if family.per_expert is not None and family.per_expert.search(name):  # one tensor per expert: stacked below
                 per_expert[name] = tensor
                 continue
             self._load_one(params, name, tensor, default_weight_loader)
             loaded.add("decoder." + name)
         if per_expert:
             shapes = {name[len("decoder."):]: tuple(p.shape) for name, p in params.items()}
-            for name, tensor in stack_experts(per_expert, shapes).items():
+            for name, tensor in family.stack(per_expert, shapes).items():
                 self._load_one(params, name, tensor, default_weight_loader)
                 loaded.add("decoder." + name)
         # The loaders write through .data, which no version counter sees: drop every copy derived from the old

@@ -1,0 +1,45 @@
+"""gpt-oss (GptOssForCausalLM): attention sinks, float32 RMSNorm, top-k-then-softmax routing with a biased
+router, clamped SwiGLU experts (gate and up interleaved), stored stacked in files too."""
+import torch
+
+from nemo_rz import ops
+from nemo_rz.models.families.base import Family, ModelFileError, _float, _int
+
+SWIGLU_ALPHA = 1.702
+
+
+def activation(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """The experts' activation: clamped SwiGLU of gate_up [M, 2I] (gate and up columns interleaved)."""
+    return ops.clamped_swiglu(gate_up[:, ::2], gate_up[:, 1::2], limit, SWIGLU_ALPHA)
+
+
+class GptOss(Family):
+    def natural(self, cfg) -> bool:
+        return bool(cfg.num_experts) and cfg.moe_kind == self.moe_kind
+
+    def family_keys(self, d, source):  # the experts ignore hidden_act
+        return dict(norm="rms_f32", attention_sinks=True)
+
+    def moe(self, d, source, layers):
+        alpha = d.get("swiglu_alpha", SWIGLU_ALPHA)
+        if alpha != SWIGLU_ALPHA:
+            raise ModelFileError(
+                f"swiglu_alpha={alpha!r} in {source} is not supported: gpt-oss experts use {SWIGLU_ALPHA}; "
+                "use a gpt-oss checkpoint"
+            )
+        out = dict(num_experts=_int(d, "num_local_experts", source, 128), moe_kind=self.moe_kind,
+                   num_experts_per_tok=_int(d, "num_experts_per_tok", source, 4),
+                   moe_intermediate_size=_int(d, "intermediate_size", source, 2880),
+                   swiglu_limit=_float(d, "swiglu_limit", source, 7.0))
+        return out, list(range(layers))
+
+    def write(self, cfg, out, types, sliding) -> None:
+        out.pop("rope_scaling")
+        out.update(layer_types=types, sliding_window=cfg.sliding_window or self.default_window,
+                   num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   intermediate_size=cfg.moe_intermediate_size, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=SWIGLU_ALPHA)
+
+
+FAMILY = GptOss("GptOssForCausalLM", "gpt_oss", False, "config", 131072, 64, "layer_types", 1e-5, False, 150000.0,
+                bias_default=True, default_window=128, window_pattern=2, moe_kind="gpt_oss", rank=20,
+                expert_keys=("num_local_experts",))
