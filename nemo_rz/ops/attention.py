@@ -27,8 +27,8 @@ The arithmetic of a pair and the merge are one core, used by every consistent at
 context-parallel ring (parallel/context.py, which adds only where a key block's pairs are computed and the
 order their partials merge in), and so in a draft's training-time test:
     tile_scores(q, k, bias) -> s;  row_max(m, index, s) -> the shift m;
-    tile_partials(s, m rows, v, visible) -> [P @ V | sum p];  merge_partials(n, index, partials) -> sums in the
-    given order;  tile_output(acc, D, extra) -> out;  tile_weights (p alone: the ring's backward).
+    tile_partials(s, m rows, with_ones(v), visible) -> [P @ V | sum p];  merge_partials(n, index, partials) ->
+    sums in the given order;  tile_output(acc, D, extra) -> out;  tile_weights (p alone: the ring's backward).
 The tile height R and the bookkeeping (tile slots, (tile, block) pairs, masks) are in
 ops/attention_plan.py.
 """
@@ -156,7 +156,7 @@ def _attention_tiled(q, k_cache, v_cache, scale, block_table, t: Tiled, sinks=No
         sink = sinks.float().index_select(0, t.slot_head.reshape(-1)).view(t.n_tiles, R)  # [T, R]
         with torch.no_grad():
             m = torch.maximum(m, sink)
-    pv = tile_partials(s, m.index_select(0, t.pair_tile), v, t.visible)
+    pv = tile_partials(s, m.index_select(0, t.pair_tile), with_ones(v), t.visible)
     # A tile's pairs are listed by block: merged in increasing block order.
     acc = merge_partials(t.n_tiles, t.pair_tile, pv)
     extra = None
@@ -238,22 +238,27 @@ def row_max(m: torch.Tensor, index: torch.Tensor, s: torch.Tensor) -> torch.Tens
         return m.scatter_reduce_(0, index, s.amax(-1).view(index.shape), "amax")
 
 
-def tile_weights(s: torch.Tensor, shift: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
-    """p = exp(max(s - shift, -87)) * visible [P, R, KV_BLOCK] for scores s and each row's shift [P, R].
+def tile_weights(shifted: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """p = exp(max(shifted, -87)) * visible [P, R, KV_BLOCK] for shifted scores s - (each row's shift).
 
     exp of -inf or of very negative numbers (denormal results) is many times slower than of ordinary ones: exp
     runs on inputs clamped to >= -87 (results stay normal), and hidden keys are then zeroed exactly by
     `visible` (0/1; None: every key visible). A weight below e^-87 ~ 1.6e-38 becomes 1.6e-38: a fixed function
     of the row, like everything here."""
-    p = torch.exp((s - shift.unsqueeze(-1)).clamp(min=_EXP_FLOOR))
+    p = torch.exp(shifted.clamp(min=_EXP_FLOOR))
     return p if visible is None else p * visible
 
 
-def tile_partials(s: torch.Tensor, shift: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
-    """[P @ V | sum p] [P, R, D + w] of each pair: p = tile_weights(s, shift, visible), v [P, KV_BLOCK, D]
-    (float32). The columns of ones appended to V give P's row sums in the same product."""
-    p = tile_weights(s, shift, visible)
-    return tile_bmm(p, F.pad(v, (0, ones_columns(v.shape[-1])), value=1.0))
+def with_ones(v: torch.Tensor) -> torch.Tensor:
+    """Value blocks [P, KV_BLOCK, D] as [V | 1] [P, KV_BLOCK, D + w] (float32): the appended columns of ones
+    give P's row sums in the same product (ones_columns: w makes the width a multiple of 4)."""
+    return F.pad(v, (0, ones_columns(v.shape[-1])), value=1.0)
+
+
+def tile_partials(s: torch.Tensor, shift: torch.Tensor, v1: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """[P @ V | sum p] [P, R, D + w] of each pair: p = tile_weights(s - shift, visible) with each row's shift
+    [P, R], times v1 = with_ones(V) [P, KV_BLOCK, D + w]."""
+    return tile_bmm(tile_weights(s - shift.unsqueeze(-1), visible), v1)
 
 
 def merge_partials(n: int, index: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from nemo_rz import ops
 from nemo_rz.models.decoder import Decoder, Tokens
 from nemo_rz.ops.attention import (_EXP_FLOOR, KV_BLOCK, merge_partials, row_max, tile_bmm, tile_output, tile_partials,
-                                   tile_scores, tile_weights)
+                                   tile_scores, tile_weights, with_ones)
 from nemo_rz.ops.attention_plan import tile_rows
 from nemo_rz.parallel.tensor import gather_parts, tree_sum
 
@@ -594,11 +594,11 @@ class _BranchAttention(torch.autograd.Function):
             if s is None:
                 continue
             rows = plan.full_rows(pairs).view(-1, plan.R)
-            pv = tile_partials(s, _rows_of(m, rows), _tiles(_pair_keys(vblocks, pairs), tiles))
+            pv = tile_partials(s, _rows_of(m, rows), _tiles(with_ones(_pair_keys(vblocks, pairs)), tiles))
             parts.append((pv, rows, plan.row_key_full(pairs).repeat_interleave(tiles)))
             scores[step] = None
         for t, (s_tail, visible) in zip(plan.tails, tail_scores):
-            pv = tile_partials(s_tail, _rows_of(m, t.dest), _rows_of(vpool, t.keys), visible)
+            pv = tile_partials(s_tail, _rows_of(m, t.dest), with_ones(_rows_of(vpool, t.keys)), visible)
             parts.append((pv, t.dest, plan.row_key_tail(t)))
         acc = _ordered_sum(plan.n_rows + 1, parts)
         out = tile_output(acc, d)
@@ -620,11 +620,10 @@ class _BranchAttention(torch.autograd.Function):
 
         def grads(s, rows, v, visible=None):
             """dS and p of one batch of pairs: s [P, R, KV_BLOCK] scores of query rows `rows` [P, R]."""
-            shift = _rows_of(m, rows)
-            p = tile_weights(s, shift, visible)
+            shifted = s - _rows_of(m, rows).unsqueeze(-1)
+            p = tile_weights(shifted, visible)
             dp = tile_bmm(_rows_of(dO, rows), v.transpose(1, 2)) - _rows_of(delta, rows).unsqueeze(-1)
-            live = (s - shift.unsqueeze(-1)) >= _EXP_FLOOR  # no gradient where the exp's input was clamped
-            return p * dp * live, p
+            return p * dp * (shifted >= _EXP_FLOOR), p  # no gradient where the exp's input was clamped
 
         dq_parts, dk_parts, dv_parts, sent = [], [], [], []
         for step, src, (kblocks, vblocks) in _ring([_blocks(kpool, plan), _blocks(vpool, plan)], plan, group):
