@@ -37,7 +37,7 @@ from nemo_rz.algorithms.draft import DraftTrainer  # noqa: E402
 from nemo_rz.generation import RolloutEngine, SamplingParams  # noqa: E402
 from nemo_rz.generation.packing import pack  # noqa: E402
 from nemo_rz.generation.speculative import Speculator  # noqa: E402
-from nemo_rz.models.draft import DraftHead, aux_features, split_state  # noqa: E402
+from nemo_rz.models.draft import DraftHead, aux_features  # noqa: E402
 
 
 def learner_diff(model, outs) -> int:
@@ -140,7 +140,7 @@ def run_task(args) -> str:
     frozen = DraftHead(trainer.model.config, trainer.draft.draft.aux_layers, len(trainer.draft.draft.layers),
                        trainer.draft.draft.vocab.numel())
     frozen.load_state_dict(trainer.draft.draft.state_dict())
-    trainer.history[trainer.version] = trainer.learner.state_dict_copy()  # version 0 ships the trained draft
+    trainer.history[trainer.version] = trainer.learner.weights(trainer.version)  # version 0 ships the trained draft
     snaps = {0: trainer.history[trainer.version]}
     metrics = []
 
@@ -153,12 +153,11 @@ def run_task(args) -> str:
     trainer.run(progress=progress)
     print(f"RL: {args.updates} updates with co-training in {time.time() - t0:.0f} s")
     rows = []
-    for v, state in sorted(snaps.items()):
-        target_sd, draft_sd = split_state(state)
+    for v, bundle in sorted(snaps.items()):
         model = Decoder(trainer.model.config).eval()
-        model.load_state_dict(target_sd)
+        model.load_state_dict(bundle.policy)
         cotrained = DraftHead(model.config, frozen.aux_layers, len(frozen.layers), frozen.vocab.numel())
-        cotrained.load_state_dict(draft_sd)
+        cotrained.load_state_dict(bundle.parts["draft"])
         for bs in args.batch_sizes:
             prompts = held_out[: args.prompts if bs > 1 else max(args.prompts // 4, 4)]
             for name, draft in (("none", None), ("frozen", frozen), ("cotrained", cotrained)):

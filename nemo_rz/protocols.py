@@ -38,8 +38,10 @@ class RolloutEngineProtocol(Protocol):
                  progress=None) -> list[Completion]:
         """One completion per prompt, in order, with float32 logprobs of log-softmax(logits / T) at each token."""
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load new weights between generate() calls and forget state computed with the old ones."""
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int,
+                       parts: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+        """Load new weights between generate() calls and forget state computed with the old ones; `parts` are the
+        weights that travel with the policy's (runtime.weights.WeightsBundle.parts: a draft's)."""
 
 
 @runtime_checkable

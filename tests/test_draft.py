@@ -10,9 +10,9 @@ from nemo_rz.algorithms.draft import DraftTrainer, summary
 from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.generation.packing import pack
 from nemo_rz.generation.speculative import Speculator
-from nemo_rz.models.draft import (DraftHead, aux_features, default_aux_layers, frequent_tokens, load_draft, save_draft,
-                                  split_state)
+from nemo_rz.models.draft import DraftHead, aux_features, default_aux_layers, frequent_tokens, load_draft, save_draft
 from nemo_rz.runtime.learner import Learner
+from nemo_rz.runtime.weights import WeightsBundle
 
 MODEL = tiny_model(seed=2, num_layers=3)
 
@@ -107,9 +107,9 @@ def test_co_training_leaves_the_policy_update_unchanged_and_trains_the_draft():
             learner.draft = DraftTrainer(DraftHead(model.config), "cotrain", 1e-3, 1.0, steps=2, k=3)
             before = {k: v.clone() for k, v in learner.draft.draft.state_dict().items()}
         m, lp = learner.rl_step(batch, adv)
-        runs.append((learner.state_dict_copy(), lp, m))
+        runs.append((learner.weights(1), lp, m))
     (plain, lp0, m0), (drafted, lp1, m1) = runs
-    target, draft = split_state(drafted)
+    plain, target, draft = plain.policy, drafted.policy, drafted.parts["draft"]
     assert target.keys() == plain.keys() and all(torch.equal(plain[k], target[k]) for k in plain)
     assert torch.equal(lp0, lp1) and m0["grad_norm"] == m1["grad_norm"]
     assert any(not torch.equal(before[k], draft[k]) for k in before)  # the draft stepped
@@ -125,7 +125,11 @@ def test_draft_weights_ship_with_the_policy_version():
     learner.rl_step(*_batch())
     torch.manual_seed(2)
     engine = RolloutEngine(tiny_model(seed=9, num_layers=3), speculator=Speculator(DraftHead(model.config), 3))
-    engine.update_weights(learner.state_dict_copy(), version=1)
+    bundle = learner.weights(1)
+    back = WeightsBundle.from_flat(bundle.flat(), 1)  # the flat form (shared memory, checkpoints) reads back
+    assert set(bundle.parts) == set(back.parts) == {"draft"} and back.policy.keys() == bundle.policy.keys()
+    assert all(torch.equal(v, back.parts["draft"][k]) for k, v in bundle.parts["draft"].items())
+    engine.update_weights(bundle.policy, 1, bundle.parts)
     shipped = engine.speculator.draft.state_dict()
     assert all(torch.equal(v, shipped[k]) for k, v in learner.draft.draft.state_dict().items())
     assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in model.state_dict().items())

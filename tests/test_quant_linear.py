@@ -1,4 +1,4 @@
-"""Quantized linear layers (nemo_rz.quant.linear, .apply; kernels/quant_matmul.py): zero mismatch for every
+"""Quantized linear layers (nemo_rz.quant.linear, .apply; nemo_rz/kernels/quant_matmul.py): zero mismatch for every
 recipe on the built-in engine, the same quantized weights on every side, quantized once per weight version,
 straight-through gradients, and the Triton kernel's in-tile dequantization under TRITON_INTERPRET=1.
 

@@ -45,7 +45,7 @@ def _equal(a: dict, b: dict) -> bool:
 def test_first_async_update_equals_the_reference_step(tmp_path):
     cfg = config.load(None, TINY + [f"run_dir={tmp_path}"])
     trainer = Trainer(cfg, tmp_path, log=lambda *_: None)
-    start = {k: v.clone() for k, v in trainer.history[0].items()}
+    start = {k: v.clone() for k, v in trainer.history[0].policy.items()}
     trainer.run()
     after = trainer.model.state_dict()
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])

@@ -43,7 +43,6 @@ from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.decoder import Decoder, KVCache, Tokens
 from nemo_rz.models.layers import Block, Linear, RMSNorm
 
-PREFIX = "draft."  # draft weights travel in the policy's state dict under this prefix
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -326,19 +325,6 @@ def expected_tokens_per_pass(accept: list[float]) -> float:
 
 
 # -- weights ------------------------------------------------------------------------------------------
-def split_state(state: dict[str, torch.Tensor]) -> tuple[dict, dict | None]:
-    """A policy state dict -> (the target's weights, the draft's weights or None)."""
-    target = {k: v for k, v in state.items() if not k.startswith(PREFIX)}
-    draft = {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX)}
-    return target, (draft or None)
-
-
-def with_draft(state: dict[str, torch.Tensor], draft: DraftHead | None) -> dict[str, torch.Tensor]:
-    if draft is None:
-        return state
-    return {**state, **{PREFIX + k: v.detach().clone() for k, v in draft.state_dict().items()}}
-
-
 def save_draft(draft: DraftHead, path) -> None:
     torch.save({"spec": draft.spec(), "state_dict": draft.state_dict()}, Path(path))
 

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from nemo_rz.errors import ModelFileError
 from nemo_rz.models.config import DTYPES, LAYER_TYPES, DecoderConfig
 from nemo_rz.ops.rope import ROPE_TYPES
 
@@ -42,13 +43,6 @@ def __getattr__(name: str):
 _DEFAULT_MAX_WINDOW_LAYERS = 28
 # quantization_config.quant_method -> the recipe that keeps the release's values (nemo_rz.quant.checkpoints)
 QUANTIZED_CHECKPOINTS = {"fp8": "fp8_block", "mxfp4": "mxfp4"}
-
-
-class ModelFileError(ValueError):
-    """A model file or directory is missing, unreadable or does not fit: one line, what / where / what to do."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split()))
 
 
 def architecture_of(d: dict, source: str) -> str:

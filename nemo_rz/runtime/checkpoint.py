@@ -32,16 +32,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nemo_rz import atomic
+from nemo_rz.errors import CorruptCheckpoint
 
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "history.safetensors", "optimizer.pt", "state.pt")
 MAX_MANIFEST_BYTES = 1 << 20
 _NAME = re.compile(r"step_[0-9]+")
 _known_good: dict[Path, tuple] = {}  # checkpoint -> its files' identities when this process last found it intact
-
-
-class CorruptCheckpoint(ValueError):
-    pass
 
 
 def _flatten_history(history: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

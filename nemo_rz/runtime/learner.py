@@ -12,8 +12,8 @@ from nemo_rz.errors import DivergenceError
 from nemo_rz.generation.packing import Packed
 from nemo_rz.metrics import decomposition, routing_diff_tokens
 from nemo_rz.models import Decoder
-from nemo_rz.models.draft import split_state, with_draft
 from nemo_rz.models.moe import recorded_routing
+from nemo_rz.runtime.weights import WeightsBundle
 
 LOSSES = plugins.names("loss")  # every registered loss: the built-ins (reinforce_zero, ppo_clip), then plugins'
 # What the trainer reads from a loss's metrics (docs/plugins.md: a plugin loss must report them too).
@@ -91,9 +91,19 @@ class Learner:
             g["lr"] = lr
 
     def state_dict_copy(self) -> dict[str, torch.Tensor]:
-        """A snapshot of the current weights (a published version must not change under a reader); a draft's
-        weights travel in it under `draft.`."""
-        return with_draft({k: v.detach().clone() for k, v in self.model.state_dict().items()}, self.draft and self.draft.draft)
+        """A snapshot of the policy's current weights (a published version must not change under a reader)."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def weights(self, version: int) -> WeightsBundle:
+        """What version `version` ships: the policy's snapshot, and each auxiliary loss's weights (a draft's)."""
+        parts = {a.name: w for a in self.aux_losses if (w := a.shipped()) is not None}
+        return WeightsBundle(version, self.state_dict_copy(), parts)
+
+    def receive(self, bundle: WeightsBundle) -> None:
+        """The auxiliary losses take back their parts of a restored version."""
+        for a in self.aux_losses:
+            if a.name in bundle.parts:
+                a.receive(bundle.parts[a.name])
 
     def _apply(self, loss: torch.Tensor, what: str) -> float:
         """Step on `loss`; DivergenceError on a non-finite loss or gradient norm, or on weights that the step
@@ -146,12 +156,12 @@ class Learner:
         return float(loss.detach())
 
     @torch.no_grad()
-    def decompose(self, batch: Packed, weights_at_rollout: dict[str, torch.Tensor], current_lp: torch.Tensor | None = None) -> dict[str, float]:
+    def decompose(self, batch: Packed, weights_at_rollout: WeightsBundle, current_lp: torch.Tensor | None = None) -> dict[str, float]:
         """Kernel mismatch alone (rollout vs learner at the rollout's own weights) and lag alone."""
         self.model.eval()
         now = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature) if current_lp is None else current_lp
         current = {k: v.clone() for k, v in self.model.state_dict().items()}
-        self.model.load_state_dict(split_state(weights_at_rollout)[0])
+        self.model.load_state_dict(weights_at_rollout.policy)
         with recorded_routing(self.model) as routing:
             then = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature)
         self.model.load_state_dict(current)

@@ -12,12 +12,10 @@ import os
 import stat
 from pathlib import Path
 
+from nemo_rz.errors import RunDirInUse
+
 LOCK_FILE = ".lock"
 _held: dict[Path, int] = {}  # run directory -> open lock file (this process may lock one directory twice)
-
-
-class RunDirInUse(ValueError):
-    pass
 
 
 def lock(run_dir: Path) -> None:

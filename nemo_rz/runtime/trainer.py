@@ -23,7 +23,7 @@ from nemo_rz.errors import DivergenceError
 from nemo_rz.generation.packing import pack
 from nemo_rz.metrics import RunningPeakMedian, lag_histogram
 from nemo_rz.models import Decoder, DecoderConfig
-from nemo_rz.models.draft import DraftHead, load_draft, split_state
+from nemo_rz.models.draft import DraftHead, load_draft
 from nemo_rz.protocols import RuntimeBackendProtocol
 from nemo_rz.quant.apply import Precision, apply_precision
 from nemo_rz.runtime import checkpoint, runlock
@@ -32,6 +32,7 @@ from nemo_rz.runtime.evaluation import HeldOutEval
 from nemo_rz.runtime.learner import Learner
 from nemo_rz.runtime.metrics_log import MetricsLog
 from nemo_rz.runtime.restarts import HEARTBEAT_S
+from nemo_rz.runtime.weights import WeightsBundle
 from nemo_rz.runtime.warmup import warm_up
 from nemo_rz.tasks import make_task, safe_reward
 
@@ -79,7 +80,7 @@ class Trainer:
         self.max_model_len = self.task.validate(max_prompt_tokens=room) + a.max_new_tokens  # every prompt, before work
         self.draft = self._build_draft()  # before any work: a bad draft setting is one line
         self.version = 0
-        self.history: dict[int, dict[str, torch.Tensor]] = {}  # versions a future batch may still need
+        self.history: dict[int, WeightsBundle] = {}  # versions a future batch may still need
         self.pending: dict[int, Result] = {}
         self.counts = collections.Counter()  # produced / trained / refused:<reason> / reward_errors
         self.lags: list[int] = []
@@ -91,7 +92,7 @@ class Trainer:
         if resume is None or not self._restore(resume):
             self._warmup()
             self.heldout(0)
-        self.history[self.version] = self.learner.state_dict_copy()
+        self.history[self.version] = self.learner.weights(self.version)
 
     # -- set-up ------------------------------------------------------------------------------------
     def _tokenizer_spec(self):
@@ -181,7 +182,7 @@ class Trainer:
         if r.backend == "local":
             from nemo_rz.runtime.local import LocalBackend
 
-            return LocalBackend(worker_kwargs, self.history[self.version], r.rollout_workers, a.max_lag + 1, r.crash_worker_at_batch,
+            return LocalBackend(worker_kwargs, self.history[self.version].flat(), r.rollout_workers, a.max_lag + 1, r.crash_worker_at_batch,
                                 heartbeat_s=heartbeat_s)
         if r.backend == "ray":
             from nemo_rz.runtime.ray_backend import RayBackend
@@ -213,8 +214,8 @@ class Trainer:
         a, cfg = self.cfg.algo, self.cfg
         backend = self._make_backend()
         try:
-            for v, sd in sorted(self.history.items()):
-                backend.publish(v, sd)
+            for v, bundle in sorted(self.history.items()):
+                backend.publish(v, bundle.flat())
             first = self.version
             for u in range(first, min(first + a.max_lag + 1, a.updates)):
                 if u not in self.pending:
@@ -224,9 +225,9 @@ class Trainer:
                 res = self._receive(backend, u)
                 record = self._update(res)
                 self.version += 1
-                self.history[self.version] = self.learner.state_dict_copy()
+                self.history[self.version] = self.learner.weights(self.version)
                 self.history.pop(self.version - a.max_lag - 1, None)
-                backend.publish(self.version, self.history[self.version])
+                backend.publish(self.version, self.history[self.version].flat())
                 nxt = self.version + a.max_lag
                 if nxt < a.updates:
                     backend.submit(self.job(nxt))
@@ -300,12 +301,12 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------------
     def save(self) -> Path:
         a = self.cfg.algo
-        keep = {v: sd for v, sd in self.history.items() if v != self.version}
+        keep = {v: bundle.flat() for v, bundle in self.history.items() if v != self.version}
         pending = {u: (r.version, r.worker, encode_completions(r.completions), r.seconds, r.spec) for u, r in self.pending.items()}
         state = dict(version=self.version, counts=dict(self.counts), lags=self.lags, is_dev=self.is_dev.state_dict(),
                      **self.heldout.state_dict(), max_grad_norm=self.max_grad_norm, pending=pending,
                      torch_rng=torch.get_rng_state(), elapsed=time.time() - self.start_time, max_lag=a.max_lag)
-        return checkpoint.save(self.run_dir / "checkpoints", self.history[self.version], keep,
+        return checkpoint.save(self.run_dir / "checkpoints", self.history[self.version].flat(), keep,
                                self.learner.optimizer_state(), state, self.cfg.checkpoint.keep)
 
     def _restore(self, run_dir: Path) -> bool:
@@ -313,9 +314,9 @@ class Trainer:
         shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
 
         def check(path, ckpt):  # before anything is restored: a checkpoint that would not fit is skipped
-            checkpoint.check_weights(path, split_state(ckpt[0])[0], shapes)
+            checkpoint.check_weights(path, WeightsBundle.from_flat(ckpt[0], -1).policy, shapes)
             for v, sd in ckpt[1].items():
-                checkpoint.check_weights(path, split_state(sd)[0], shapes, f"history.safetensors (version {v})")
+                checkpoint.check_weights(path, WeightsBundle.from_flat(sd, v).policy, shapes, f"history.safetensors (version {v})")
             checkpoint.check_trainer_state(path, ckpt[3])
 
         found = checkpoint.load_latest(Path(run_dir) / "checkpoints", warn=self.log, check=check)
@@ -324,19 +325,18 @@ class Trainer:
             self.metrics_log.keep_until(self.version)
             return False
         path, (weights, history, opt_state, st) = found
-        weights, draft_weights = split_state(weights)
-        self.model.load_state_dict(weights)
-        if self.draft is not None and draft_weights is not None:
-            self.draft.draft.load_state_dict(draft_weights)
+        restored = WeightsBundle.from_flat(weights, st["version"])
+        self.model.load_state_dict(restored.policy)
+        self.learner.receive(restored)  # the draft's weights, when one is co-trained
         if self.learner.model is not self.model:  # a learner with its own copy (runtime.learner=megatron)
-            self.learner.load_weights(weights)
+            self.learner.load_weights(restored.policy)
         self.learner.load_optimizer_state(opt_state, self.cfg.algo.lr)  # honour algo.lr set on resume
         self.version, self.lags = st["version"], st["lags"]
         self.heldout.load_state_dict(st)
         self.counts.update(st["counts"])
         self.is_dev.load_state_dict(st["is_dev"])
         self.max_grad_norm = st["max_grad_norm"]
-        self.history = history
+        self.history = {v: WeightsBundle.from_flat(sd, v) for v, sd in history.items()}
         self.pending = {u: Result(u, v, w, decode_completions(rows), s, *spec) for u, (v, w, rows, s, *spec) in st["pending"].items()}
         torch.set_rng_state(st["torch_rng"])
         self.start_time = time.time() - st["elapsed"]

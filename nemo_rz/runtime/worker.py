@@ -13,6 +13,7 @@ from nemo_rz.models.draft import DraftHead
 from nemo_rz.protocols import RolloutEngineProtocol
 from nemo_rz.quant.apply import apply_precision
 from nemo_rz.runtime.jobs import Job, encode_completions
+from nemo_rz.runtime.weights import WeightsBundle
 
 
 class RolloutWorker:
@@ -49,15 +50,16 @@ class RolloutWorker:
             raise ValueError(f"generation.backend = {generation_backend!r}: use builtin or vllm")
 
     def load(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        """Version `version`'s weights, in the flat form a WeightsBundle travels in."""
         if self.loaded == version:
             return
-        weights = {k: v.to(self.dtype) for k, v in state_dict.items()}
+        bundle = WeightsBundle.from_flat(state_dict, version).to(self.dtype)
         if self.engine is None:
             from nemo_rz.generation.vllm import VLLMRolloutEngine
 
-            self.engine = VLLMRolloutEngine(weights, weight_version=version, **self._vllm_args)
+            self.engine = VLLMRolloutEngine(bundle.policy, weight_version=version, **self._vllm_args)
         else:
-            self.engine.update_weights(weights, version)
+            self.engine.update_weights(bundle.policy, version, bundle.parts)
         self.loaded = version
 
     def run(self, job: Job) -> tuple[list[tuple], float, dict]:

@@ -44,7 +44,7 @@ def _read_json(file: Path) -> dict:
 
 
 # -- bounded chat template rendering ------------------------------------------------------------------------
-class TemplateLimitError(Exception):
+class _TemplateLimit(Exception):
     """A chat template went past a render bound (steps, characters or seconds)."""
 
 
@@ -60,13 +60,13 @@ class RenderBudget:
     def step(self, n: int = 1) -> None:
         self.steps_left -= n
         if self.steps_left < 0:
-            raise TemplateLimitError(f"more than {self.steps} loop iterations and calls")
+            raise _TemplateLimit(f"more than {self.steps} loop iterations and calls")
         if time.monotonic() > self.deadline:
-            raise TemplateLimitError(f"more than {self.seconds:g} s")
+            raise _TemplateLimit(f"more than {self.seconds:g} s")
 
     def size(self, n: int, what: str = "a value") -> None:
         if n > self.chars:
-            raise TemplateLimitError(f"{what} of {n} characters, more than the {self.chars} allowed")
+            raise _TemplateLimit(f"{what} of {n} characters, more than the {self.chars} allowed")
 
     def output(self, n: int) -> None:
         self.out += n
@@ -184,7 +184,7 @@ def _environment():
     def budget() -> RenderBudget:
         b = _BUDGET.get()
         if b is None:
-            raise TemplateLimitError("rendered outside render_chat_template")
+            raise _TemplateLimit("rendered outside render_chat_template")
         return b
 
     def hook(name: str, node, *args):
@@ -328,7 +328,7 @@ def render_chat_template(template: str, seconds: float | None = None, **variable
     """`template` rendered with `variables` as transformers' apply_chat_template renders it, within bounds: at
     most RENDER_STEPS loop iterations and calls, RENDER_CHARS characters in any value built and in the output
     together (each plus PER_INPUT_CHAR per character of the variables), and RENDER_SECONDS seconds. Raises
-    TemplateLimitError past a bound, jinja2's errors for a broken template."""
+    _TemplateLimit past a bound, jinja2's errors for a broken template."""
     seconds = RENDER_SECONDS if seconds is None else seconds
     probe = RenderBudget(1 << 62, 1 << 62, 1e9)
     extra = PER_INPUT_CHAR * _size(variables, probe)
@@ -433,7 +433,7 @@ class HFTokenizer:
             raise ValueError(f"{self.name} has no chat template; set task.chat_template=false for plain prompts")
         try:
             text = self._render(messages, add_generation_prompt)
-        except TemplateLimitError as e:
+        except _TemplateLimit as e:
             raise ValueError(f"the chat template of {self.name} went past its render bound ({e}): it loops or grows "
                              "without end; fix the chat template (tokenizer_config.json or chat_template.jinja) or use "
                              "task.chat_template=false") from None

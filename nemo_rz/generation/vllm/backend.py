@@ -375,10 +375,15 @@ class VLLMRolloutEngine:
 
     # -- weights -----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, parts: dict | None = None) -> None:
         """Load new weights (HF / Decoder names) into every vLLM worker between generate calls, then drop the
-        prefix cache (its keys/values belong to the old weights)."""
+        prefix cache (its keys/values belong to the old weights). No part travels here: a draft runs in the
+        built-in engine only."""
         from safetensors.torch import save
+
+        if parts:
+            raise ValueError(f"update_weights: the vLLM backend takes the policy's weights only, not {', '.join(parts)}; "
+                             "speculative rollouts run in the built-in engine (generation.backend=builtin)")
 
         names = set(state_dict)
         if names != self._param_names:
