@@ -158,3 +158,77 @@ def test_real_smollm2_gguf():
     out = RolloutEngine(model, max_batch_size=1, max_model_len=len(prompt) + 16).generate(
         [prompt], SamplingParams(16, temperature=0.0, stop_token_ids=tok.eos_ids))[0]
     assert out.finish_reason == "stop" and "4" in tok.decode(out.token_ids)
+
+
+# -- every family GGUF files hold: written here with the family's own GGUF map, read back through nemo_rz ------
+_SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6)
+GGUF_FAMILIES = {  # GGUF architecture -> config.json of a tiny model of a family GGUF files hold
+    "llama": dict(architectures=["LlamaForCausalLM"], rope_theta=5e4, **_SMALL),
+    "mistral": dict(architectures=["MistralForCausalLM"], **_SMALL),  # no window: its GGUF reads as Llama
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], **_SMALL),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], rope_theta=1e6, **_SMALL),
+    "qwen3moe": dict(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     norm_topk_prob=True, **_SMALL),
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], query_pre_attn_scalar=16, sliding_window=8,
+                   **{**_SMALL, "num_hidden_layers": 7}),
+}
+
+
+def _write_gguf(model, path):
+    """`model` as llama.cpp lays it out: the family's GGUF tensor names, its converter's changes, its metadata."""
+    import gguf
+
+    from nemo_rz.models import families
+    from nemo_rz.models.families.base import gguf_names
+
+    cfg = model.config
+    fam = families.for_config(cfg)
+    w = gguf.GGUFWriter(str(path), fam.gguf_arch)
+    for key, value in fam.gguf_metadata(cfg).items():
+        (w.add_float64 if isinstance(value, float) else w.add_uint32)(f"{fam.gguf_arch}.{key}", value)
+    state = model.state_dict()
+    for name, gg in gguf_names(fam, cfg.num_layers).items():
+        if name not in state:
+            continue
+        t = fam.to_gguf(name, state[name].detach().float(), cfg)
+        if isinstance(gg, tuple):
+            for part, values in zip(gg, t.chunk(len(gg), dim=-2)):
+                w.add_tensor(part, values.contiguous().numpy())
+        else:
+            w.add_tensor(gg, t.contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES))
+def test_every_gguf_family_round_trips(family, tmp_path):
+    """A tiny random model of each family, saved as a Hugging Face checkpoint and written as a GGUF file (float32
+    tensors): the GGUF reads back to the same config and the same weights (bit for bit; Gemma's norms, stored
+    as 1 + w, within float32 rounding), so the same logits as the checkpoint's model."""
+    from nemo_rz.models import Decoder, config_from_hf, save_hf
+    from nemo_rz.models.gguf import check_architecture
+
+    cfg = config_from_hf(GGUF_FAMILIES[family])
+    torch.manual_seed(0)
+    model = Decoder(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms and biases away from their init, so a mapping error shows
+            p.add_(torch.randn_like(p) * 0.1)
+    ref = load_hf(save_hf(model, tmp_path / "hf"))
+    path = _write_gguf(model, tmp_path / f"{family}.gguf")
+    assert check_architecture(path) == ("llama" if family == "mistral" else family)
+    got = load_hf(path)
+    expected_cfg = ref.config if family != "mistral" else config_from_hf({**GGUF_FAMILIES[family], "architectures": ["LlamaForCausalLM"]})
+    assert got.config == expected_cfg
+    exact = family != "gemma3"
+    for name, t in ref.state_dict().items():
+        other = got.state_dict()[name]
+        assert torch.equal(other, t) if exact or not name.endswith("norm.weight") else torch.allclose(other, t, atol=1e-6), name
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = ref(ids), got(ids)
+    assert torch.equal(a, b) if exact else torch.allclose(a, b, atol=1e-4)

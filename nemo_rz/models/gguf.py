@@ -1,9 +1,11 @@
-"""GGUF files (llama.cpp's format) -> Decoder, dequantized to float by transformers' GGUF reader.
+"""GGUF files (llama.cpp's format) -> Decoder, read and dequantized with the `gguf` package (the `hf` extra).
 
-A GGUF file holds the weights (often quantized), the config and the tokenizer in one file. transformers reads
-it with the `gguf` and `accelerate` packages (the `hf` extra); the dequantized state dict then goes through the
-same config translation and checks as a checkpoint directory (nemo_rz.models.hf). The architecture is read
-from the file's metadata first, so an unsupported model is refused before the (slow) dequantization.
+A GGUF file holds the weights (often quantized), the config and the tokenizer in one file. The family comes
+from general.architecture (nemo_rz.models.families: each family names its GGUF architecture, its tensor names
+and what llama.cpp's converter changed in its tensors); the metadata becomes a config.json dict that goes
+through the same config translation as a checkpoint directory (models/hf_config.py), and the tensors are mapped
+to the Decoder's parameter names through the family's table. The metadata's sizes are checked against the
+tensors' shapes first, so an inconsistent file is refused before anything is built or dequantized.
 """
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ from pathlib import Path
 import torch
 
 from nemo_rz.extras import GGUF, require
+from nemo_rz.models import families
 from nemo_rz.models.decoder import Decoder
+from nemo_rz.models.families.base import gguf_names
 from nemo_rz.models.hf_config import ModelFileError, config_from_hf
 
-# general.architecture values nemo_rz can run (Mistral GGUFs are written as "llama")
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# general.architecture values nemo_rz can run (Mistral GGUFs are written as "llama"): the families' gguf_arch
+ARCHITECTURES = families.gguf_architectures()
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -45,8 +49,8 @@ def metadata(path: str | os.PathLike, keys: tuple[str, ...]) -> dict:
 
 
 def _architecture(arch, path) -> str:
-    if arch not in ARCHITECTURES:
-        raise ModelFileError(f"unsupported GGUF architecture {arch!r} in {path}: nemo_rz loads {', '.join(ARCHITECTURES)}; "
+    if families.by_gguf_arch(arch) is None:
+        raise ModelFileError(f"unsupported GGUF architecture {arch!r} in {path}: nemo_rz loads {', '.join(families.gguf_architectures())}; "
                              "use a GGUF of one of these families")
     return arch
 
@@ -130,18 +134,84 @@ def load_transformers(path: str | os.PathLike, dtype: torch.dtype = torch.float3
     return model
 
 
+def config_dict(reader, arch: str) -> dict:
+    """The config.json dict (Hugging Face keys) that a GGUF file's metadata describes."""
+    fam = families.by_gguf_arch(arch)
+    field = lambda key: reader.fields[key].contents() if key in reader.fields else None  # noqa: E731
+    get = lambda key: field(f"{arch}.{key}")  # noqa: E731
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    hidden, heads, layers = get("embedding_length"), get("attention.head_count"), get("block_count")
+    d = {
+        "architectures": [fam.architecture],
+        "model_type": fam.model_type,
+        "vocab_size": get("vocab_size") or shapes["token_embd.weight"][1],
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv") or heads,
+        "head_dim": get("attention.key_length") or hidden // heads,
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "rope_theta": get("rope.freq_base"),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "sliding_window": get("attention.sliding_window"),
+    }
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        d["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor"),
+                             "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+    d.update(fam.gguf_config(get, layers))
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _tensors(reader, fam, cfg, path) -> dict[str, torch.Tensor]:
+    """The file's tensors under the Decoder's parameter names (float32), mapped through the family's table."""
+    from gguf import GGMLQuantizationType, quants
+
+    raw = {t.name: t for t in reader.tensors}
+    names = gguf_names(fam, cfg.num_layers)
+    used = set()
+
+    def tensor(name: str) -> torch.Tensor:
+        t = raw[name]
+        used.add(name)
+        shape = tuple(reversed([int(n) for n in t.shape]))  # GGUF lists ne[0] (the row length) first
+        if t.tensor_type == GGMLQuantizationType.F32:
+            values = t.data
+        else:
+            values = quants.dequantize(t.data, t.tensor_type)
+        return torch.from_numpy(values.reshape(shape).copy()).float()
+
+    out = {}
+    for name, gg in names.items():
+        parts = gg if isinstance(gg, tuple) else (gg,)
+        if all(p in raw for p in parts):
+            t = torch.cat([tensor(p) for p in parts], dim=-2) if len(parts) > 1 else tensor(parts[0])
+            out[name] = fam.from_gguf(name, t, cfg)
+    unused = sorted(set(raw) - used)
+    if unused:
+        raise ModelFileError(f"{len(unused)} tensor(s) of {path} that nemo_rz's {fam.architecture} decoder has no "
+                             f"parameter for: {', '.join(unused[:3])}; this GGUF variant is not supported")
+    return out
+
+
 def load_gguf(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Decoder:
-    """A Decoder (eval mode, CPU) with the dequantized weights of a Llama / Qwen2 / Qwen3 GGUF file."""
-    hf = load_transformers(path)
-    cfg = config_from_hf(hf.config.to_dict(), str(path), dtype)
+    """A Decoder (eval mode, CPU) with the dequantized weights of a GGUF file of a family nemo_rz runs
+    (ARCHITECTURES)."""
+    arch = check_file(path)
+    reader = _reader(path)
+    fam = families.by_gguf_arch(arch)
+    cfg = config_from_hf(config_dict(reader, arch), str(path), dtype)
     with torch.device("meta"):
         model = Decoder(cfg)
     expected = model.state_dict()
-    state = {k: v for k, v in hf.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        raise ModelFileError(f"{path}: tensors do not match nemo_rz's decoder (missing {missing[:3]}, unexpected "
-                             f"{extra[:3]}); this GGUF variant is not supported")
+    state = _tensors(reader, fam, cfg, path)
+    missing = sorted(set(expected) - set(state))
+    bad_shape = [k for k in expected if k in state and tuple(state[k].shape) != tuple(expected[k].shape)]
+    if missing or bad_shape:
+        raise ModelFileError(f"{path}: tensors do not match nemo_rz's decoder (missing {missing[:3]}, wrong shape "
+                             f"{bad_shape[:3]}); this GGUF variant is not supported")
     bad = [k for k, v in state.items() if not bool(torch.isfinite(v).all())]
     if bad:
         raise ModelFileError(f"non-finite values (NaN/Inf) in {len(bad)} tensor(s) of {path}, e.g. {bad[0]}; "

@@ -17,8 +17,13 @@ from nemo_rz import atomic
 from nemo_rz.errors import ArgumentParser
 from nemo_rz.tools.common import fail
 
-# GGUF general.architecture -> the Hugging Face architecture written to config.json
-HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def hf_architecture(gguf_arch: str) -> str:
+    """GGUF general.architecture -> the Hugging Face architecture written to config.json (the family registry's)."""
+    from nemo_rz.models import families
+
+    return families.by_gguf_arch(gguf_arch).architecture
 
 
 def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "float32") -> Path:
@@ -31,7 +36,7 @@ def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
         raise ValueError(f"{src}: not a .gguf file; pass the GGUF file to convert")
     if out.exists():
         raise ValueError(f"{out} already exists; choose a new output directory (nothing was written)")
-    arch = HF_ARCHITECTURE[check_file(src)]  # refuses other families and inconsistent sizes before the slow work
+    arch = hf_architecture(check_file(src))  # refuses other families and inconsistent sizes before the slow work
     tokenizer = HFTokenizer.from_pretrained(src)
     model = load_gguf(src, dtype)
     with atomic.new_dir(out) as ckpt:
@@ -48,7 +53,7 @@ def convert(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
 
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m nemo_rz.tools.convert", description=__doc__.split("\n")[0])
-    ap.add_argument("gguf", help="the .gguf file (Llama, Qwen2 or Qwen3 family)")
+    ap.add_argument("gguf", help="the .gguf file (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE or Gemma 3 family)")
     ap.add_argument("out", help="the checkpoint directory to create")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     try:

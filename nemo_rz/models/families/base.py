@@ -107,6 +107,42 @@ class Family:
         return tensors
 
     # -- GGUF ------------------------------------------------------------------------------------------------
-    def gguf_tensors(self) -> dict[str, str]:
-        """{nemo_rz parameter name pattern: GGUF tensor name pattern} ({i}: layer)."""
+    def gguf_tensors(self) -> dict[str, str | tuple[str, ...]]:
+        """{nemo_rz parameter name pattern: GGUF tensor name pattern} ({i}: layer); a tuple names the GGUF
+        tensors the parameter is the concatenation of, along its rows (dim -2)."""
         return dict(GGUF_TENSORS)
+
+    def gguf_config(self, get, layers: int) -> dict:
+        """The config.json keys only this family reads from GGUF metadata; get(key) reads `{arch}.key` (None
+        when absent)."""
+        return {}
+
+    def gguf_metadata(self, cfg: DecoderConfig) -> dict:
+        """The `{arch}.key` metadata (keys without the prefix) llama.cpp writes for a model with `cfg`: what
+        models/gguf.py's config_dict reads back."""
+        out = {"context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
+               "block_count": cfg.num_layers, "feed_forward_length": cfg.intermediate_size,
+               "attention.head_count": cfg.num_heads, "attention.head_count_kv": cfg.num_kv_heads,
+               "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
+               "rope.freq_base": float(cfg.rope_theta), "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+               "vocab_size": cfg.vocab_size}
+        if cfg.sliding_window is not None:
+            out["attention.sliding_window"] = cfg.sliding_window
+        return out
+
+    def from_gguf(self, name: str, t: torch.Tensor, cfg: DecoderConfig) -> torch.Tensor:
+        """A parameter's values from its GGUF tensor (llama.cpp's converter changes some: see the families)."""
+        return t
+
+    def to_gguf(self, name: str, t: torch.Tensor, cfg: DecoderConfig) -> torch.Tensor:
+        """from_gguf's inverse (what llama.cpp's converter writes)."""
+        return t
+
+
+def gguf_names(fam: Family, layers: int) -> dict[str, str | tuple[str, ...]]:
+    """{parameter name: GGUF tensor name(s)} of every parameter name `fam` maps, for `layers` layers."""
+    out = {}
+    for hf, gg in fam.gguf_tensors().items():
+        for i in range(layers) if "{i}" in hf else (None,):
+            out[hf.format(i=i)] = tuple(g.format(i=i) for g in gg) if isinstance(gg, tuple) else gg.format(i=i)
+    return out

@@ -38,6 +38,15 @@ class Gemma3(Family):
                    rope_parameters={"full_attention": _rope_entry(theta, cfg.rope_scaling),
                                     "sliding_attention": _rope_entry(local, None if cfg.rope_local_theta is not None else cfg.rope_scaling)})
 
+    def gguf_config(self, get, layers):
+        return dict(query_pre_attn_scalar=get("attention.key_length"))  # llama.cpp scales queries by head_dim
+
+    def from_gguf(self, name, t, cfg):  # llama.cpp's converter stores Gemma's norms as 1 + w
+        return t - 1 if name.endswith("norm.weight") else t
+
+    def to_gguf(self, name, t, cfg):
+        return t + 1 if name.endswith("norm.weight") else t
+
     def gguf_tensors(self):
         names = super().gguf_tensors()
         names["model.layers.{i}.post_attention_layernorm.weight"] = "blk.{i}.post_attention_norm.weight"

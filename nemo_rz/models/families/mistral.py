@@ -1,9 +1,9 @@
 """Mistral (MistralForCausalLM): no biases; every layer slides when sliding_window is set. Its GGUF files are
 written as architecture "llama"."""
-from nemo_rz.models.families.base import Family
+from nemo_rz.models.families.llama import Llama
 
 
-class Mistral(Family):
+class Mistral(Llama):  # Llama's GGUF layout (permuted q/k), its own config
     def natural(self, cfg) -> bool:
         return cfg.window(0) is not None and cfg.layer_types is None and not cfg.attention_bias
 

@@ -96,6 +96,23 @@ class Qwen3Moe(Family):
                    moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
                    decoder_sparse_step=1, mlp_only_layers=[i for i in range(cfg.num_layers) if i not in moe])
 
+    def gguf_tensors(self):
+        names = super().gguf_tensors()
+        names.update({"model.layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate_inp.weight",
+                      "model.layers.{i}.mlp.experts.gate_up_proj": ("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),
+                      "model.layers.{i}.mlp.experts.down_proj": "blk.{i}.ffn_down_exps.weight"})
+        return names
+
+    def gguf_metadata(self, cfg):
+        return {**super().gguf_metadata(cfg), "expert_count": cfg.num_experts, "expert_used_count": cfg.num_experts_per_tok,
+                "expert_feed_forward_length": cfg.moe_intermediate_size}
+
+    def gguf_config(self, get, layers):
+        norm = get("expert_weights_norm")
+        return dict(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+                    moe_intermediate_size=get("expert_feed_forward_length"),
+                    norm_topk_prob=True if norm is None else bool(norm))  # llama.cpp renormalises Qwen3-MoE's top-k
+
     def file_shapes(self, shapes, cfg):
         return file_shapes(shapes) if cfg.num_experts else shapes
 
