@@ -4,10 +4,9 @@ models/hf_config.py; this module reads and writes the tensors.
 
 A checkpoint directory holds config.json plus model.safetensors (or model.safetensors.index.json and its
 shards). Decoder's parameter names already follow the Hugging Face layout, so loading is a check (names,
-shapes, finiteness) and a copy. One exception: Qwen3-MoE experts are stacked in memory (transformers v5's
-`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) while the hub and transformers'
-save_pretrained store one tensor per expert (`mlp.experts.{e}.gate_proj.weight`...): both layouts load, and
-saves write the per-expert one.
+shapes, finiteness) and a copy. What differs per family (the tensors files hold that are not parameters, and
+how experts are laid out in files: Qwen3-MoE's one tensor per expert, stacked in memory) is the family's
+(nemo_rz.models.families: Family.ignored, per_expert, file_shapes, stack, unstack).
 
 Only json, safetensors and torch are used here: importing nemo_rz.models never imports transformers.
 
@@ -97,34 +96,37 @@ def _names(items) -> str:
     return ", ".join(items[:_NAMES_SHOWN]) + more
 
 
-def _family(cfg: DecoderConfig):
+def _family(cfg: DecoderConfig, arch: str | None = None):
+    """The family of architecture `arch` (None: the one `cfg` is saved as by default)."""
     from nemo_rz.models import families
 
-    return families.for_config(cfg)
+    fam = families.by_architecture(arch) if arch is not None else None
+    return fam if fam is not None else families.for_config(cfg)
 
 
-def ignored_tensor(name: str, cfg: DecoderConfig) -> bool:
+def ignored_tensor(name: str, cfg: DecoderConfig, arch: str | None = None) -> bool:
     """Whether a file tensor is not a parameter (the family's rule, families.base.Family.ignored)."""
-    return _family(cfg).ignored(name, cfg)
+    return _family(cfg, arch).ignored(name, cfg)
 
 
 # -- experts: the family's layout in files (Qwen3-MoE: one tensor per expert; stacked in memory) --------------
 PER_EXPERT = qwen3_moe.PER_EXPERT
 
 
-def _per_expert_shapes(shapes: dict[str, tuple], cfg: DecoderConfig) -> dict[str, tuple]:
+def _per_expert_shapes(shapes: dict[str, tuple], cfg: DecoderConfig, arch: str | None = None) -> dict[str, tuple]:
     """The file names and shapes of the family's file layout for a model's parameter shapes."""
-    return _family(cfg).file_shapes(shapes, cfg)
+    return _family(cfg, arch).file_shapes(shapes, cfg)
 
 
-def stack_experts(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], cfg: DecoderConfig | None = None) -> dict[str, torch.Tensor]:
-    """File tensors (per-expert) -> the model's stacked parameters, by `cfg`'s family (None: Qwen3-MoE's layout)."""
-    return (qwen3_moe.FAMILY if cfg is None else _family(cfg)).stack(tensors, shapes)
+def stack_experts(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple], cfg: DecoderConfig | None = None,
+                  arch: str | None = None) -> dict[str, torch.Tensor]:
+    """File tensors (per-expert) -> the model's stacked parameters, by the family's layout (cfg None: Qwen3-MoE's)."""
+    return (qwen3_moe.FAMILY if cfg is None else _family(cfg, arch)).stack(tensors, shapes)
 
 
-def _unstack_experts(tensors: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+def _unstack_experts(tensors: dict[str, torch.Tensor], cfg: DecoderConfig, arch: str | None = None) -> dict[str, torch.Tensor]:
     """The model's parameters -> the tensors the family's files hold."""
-    return _family(cfg).unstack(tensors, cfg)
+    return _family(cfg, arch).unstack(tensors, cfg)
 
 
 def _open(file: Path):
@@ -149,10 +151,10 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple, str]]:
     return found
 
 
-def _found(files: list[Path], cfg: DecoderConfig, headers: dict | None = None) -> dict[str, tuple[Path, tuple, str]]:
+def _found(files: list[Path], cfg: DecoderConfig, headers: dict | None = None, arch: str | None = None) -> dict[str, tuple[Path, tuple, str]]:
     """{tensor name: (file, shape, safetensors dtype)} of every tensor the model could use, first file wins."""
     headers = _headers(files) if headers is None else headers
-    return {name: entry for name, entry in headers.items() if not ignored_tensor(name, cfg)}
+    return {name: entry for name, entry in headers.items() if not ignored_tensor(name, cfg, arch)}
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -256,7 +258,7 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: di
     _headers(), when already read."""
     cfg = model.config
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    found = _found(files, cfg, headers)
+    found = _found(files, cfg, headers, arch)
     where = _where(files)
     if quantization:
         from nemo_rz.quant.checkpoints import dequantized
@@ -266,9 +268,9 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: di
         except ValueError as e:
             raise ModelFileError(f"{where}: {e}") from None
         found = {n: (None, tuple(t.shape), _SAFETENSORS_NAMES.get(t.dtype, str(t.dtype))) for n, t in tensors.items()}
-    layout = _family(cfg).per_expert
+    layout = _family(cfg, arch).per_expert
     per_expert = layout is not None and any(layout.search(name) for name in found)
-    expected = _per_expert_shapes(shapes, cfg) if per_expert else shapes
+    expected = _per_expert_shapes(shapes, cfg, arch) if per_expert else shapes
     _check({n: (shape, dtype) for n, (_, shape, dtype) in found.items()}, expected, where, arch, cfg)
     own = lambda t: _owned(t, cfg)  # noqa: E731
     out = {n: own(t) for n, t in tensors.items()} if quantization else _read(files, found, own)
@@ -278,17 +280,17 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: di
             f"non-finite values (NaN/Inf) in {len(nonfinite)} tensor(s) in {where}: {_names(nonfinite)}; the "
             "checkpoint is corrupt or from a diverged run — use an earlier checkpoint"
         )
-    return stack_experts(out, shapes, cfg) if per_expert else out
+    return stack_experts(out, shapes, cfg, arch) if per_expert else out
 
 
 def load_hf(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Decoder:
     """A Decoder (eval mode, on CPU) with the weights of a Hugging Face checkpoint directory of a supported family
-    (models/hf_config.py) or a .gguf file of the dense families (dequantized through transformers: nemo_rz.models.gguf).
+    (models/hf_config.py) or a .gguf file of a family GGUF files hold (dequantized: nemo_rz.models.gguf).
 
     dtype: "float32" / "bfloat16" (or the torch dtypes); None keeps the checkpoint's dtype when it is one of
     these and uses float32 otherwise.
     """
-    from nemo_rz.models import gguf  # imports transformers only when a .gguf file is loaded
+    from nemo_rz.models import gguf  # imports the gguf package only when a .gguf file is loaded
 
     if gguf.is_gguf(path):
         return gguf.load_gguf(path, dtype)
@@ -357,7 +359,8 @@ def save_hf(model: Decoder, path: str | os.PathLike, architecture: str | None = 
     config = hf_config(model.config, architecture)
     if target.exists() and not target.is_dir():
         raise ModelFileError(f"{target} exists and is a file; pass a directory path for the checkpoint")
-    tensors = _unstack_experts({name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}, model.config)
+    arch = config["architectures"][0]
+    tensors = _unstack_experts({name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}, model.config, arch)
     with atomic.new_dir(target) as tmp:
         if target.is_dir():
             for entry in target.iterdir():
