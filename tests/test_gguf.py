@@ -175,8 +175,9 @@ GGUF_FAMILIES = {  # GGUF architecture -> config.json of a tiny model of a famil
 }
 
 
-def _write_gguf(model, path):
-    """`model` as llama.cpp lays it out: the family's GGUF tensor names, its converter's changes, its metadata."""
+def _write_gguf(model, path, quantized=None):
+    """`model` as llama.cpp lays it out: the family's GGUF tensor names, its converter's changes, its metadata
+    (2-d tensors quantized to `quantized`, a GGMLQuantizationType, when given)."""
     import gguf
 
     from nemo_rz.models import families
@@ -195,6 +196,8 @@ def _write_gguf(model, path):
         if isinstance(gg, tuple):
             for part, values in zip(gg, t.chunk(len(gg), dim=-2)):
                 w.add_tensor(part, values.contiguous().numpy())
+        elif quantized is not None and t.dim() == 2:
+            w.add_tensor(gg, gguf.quants.quantize(t.contiguous().numpy(), quantized), raw_dtype=quantized)
         else:
             w.add_tensor(gg, t.contiguous().numpy())
     w.write_header_to_file()
@@ -232,3 +235,25 @@ def test_every_gguf_family_round_trips(family, tmp_path):
     with torch.no_grad():
         a, b = ref(ids), got(ids)
     assert torch.equal(a, b) if exact else torch.allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "F16"])
+def test_quantized_gguf_tensors_are_dequantized(kind, tmp_path):
+    """Quantized (Q8_0) and half-precision tensors are dequantized by the gguf package to the values its own
+    dequantizer gives, close to the float model's."""
+    import gguf
+
+    from nemo_rz.models import Decoder, config_from_hf
+
+    cfg = config_from_hf(GGUF_FAMILIES["qwen3"])
+    torch.manual_seed(0)
+    model = Decoder(cfg).eval()
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    got = load_hf(_write_gguf(model, tmp_path / "q.gguf", qtype))
+    for name, t in model.state_dict().items():
+        if t.dim() == 2:
+            rounded = gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), qtype), qtype)
+            assert torch.equal(got.state_dict()[name], torch.from_numpy(rounded)), name
+        else:
+            assert torch.equal(got.state_dict()[name], t), name
+    assert not torch.equal(got.state_dict()["model.embed_tokens.weight"], model.state_dict()["model.embed_tokens.weight"])
