@@ -7,7 +7,6 @@ config.yaml, metrics.jsonl, TensorBoard events, checkpoints/, plots/*.png and su
 from __future__ import annotations
 
 import errno
-import json
 import signal
 import sys
 import threading
@@ -64,9 +63,10 @@ def _prepare(argv) -> tuple:
         run_dir = Path(cfg.resume)
     else:
         run_dir = Path(cfg.run_dir or f"runs/{cfg.task.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        if (run_dir / "checkpoints").exists() or (run_dir / "metrics.jsonl").exists():
+        if any((run_dir / name).exists() for name in ("checkpoints", "metrics.jsonl", config_lib.RUN_CONFIG)):
             raise ConfigError(f"run_dir {run_dir} already holds a run; pass resume={run_dir} to continue it or choose a new run_dir")
-        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        # a run directory's lock alone: a trainer is starting there (runlock says which)
+        if run_dir.exists() and (not run_dir.is_dir() or any(p.name != runlock.LOCK_FILE for p in run_dir.iterdir())):
             what = "a folder with other files in it" if run_dir.is_dir() else "not a folder"
             raise ConfigError(f"run_dir {run_dir} is {what}, not a run; choose a new or empty run_dir")
         try:
@@ -112,7 +112,7 @@ def run(cfg, run_dir: Path) -> dict:
         if bar is not None:
             bar.close()
         trainer.metrics_log.close()
-    atomic.write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    atomic.write_json(run_dir / "summary.json", summary)  # strict JSON: a non-finite figure is null
     from nemo_rz.tools.report import write_plots
 
     write_plots(run_dir)

@@ -29,7 +29,7 @@ def test_run_dir_not_a_run_is_refused(tmp_path, capsys, contents):
     """A non-empty folder that holds no run (`run_dir=.` or `$HOME`) is refused before anything is written."""
     folder = tmp_path / "mine"
     folder.mkdir()
-    (folder / "config.yaml").write_text("precious: true\n")
+    (folder / "settings.yaml").write_text("precious: true\n")
     if contents == "sub/":
         (folder / "sub").mkdir()
     elif contents == "link":
@@ -49,3 +49,30 @@ def test_run_dir_empty_folder_is_used(tmp_path):
     assert train.main(TINY + [f"run_dir={folder}", "algo.updates=1"]) == 0
     assert (folder / "summary.json").exists()
 
+
+
+def test_summary_is_strict_json(tmp_path, monkeypatch):
+    """A figure with no finite value (is_dev peak over a median of 0) is null in summary.json, never Infinity."""
+    import json
+
+    import nemo_rz.runtime.trainer as trainer_module
+
+    real = trainer_module.Trainer.run
+
+    def run(self, progress=None):
+        summary = real(self, progress)
+        return {**summary, "is_dev_peak_over_median": float("inf")}
+
+    monkeypatch.setattr(trainer_module.Trainer, "run", run)
+    assert train.main(TINY + [f"run_dir={tmp_path / 'r'}", "algo.updates=1"]) == 0
+    text = (tmp_path / "r" / "summary.json").read_text()
+    assert "Infinity" not in text and json.loads(text)["is_dev_peak_over_median"] is None
+
+
+def test_a_run_that_stopped_before_its_first_update_is_a_run(tmp_path, capsys):
+    """A run directory holding only config.yaml (it stopped while starting) is refused as a run, with resume= named."""
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("seed: 0\n")
+    assert train.main(TINY + [f"run_dir={run_dir}", "algo.updates=1"]) == 2
+    assert f"already holds a run; pass resume={run_dir}" in capsys.readouterr().err
