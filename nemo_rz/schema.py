@@ -181,6 +181,7 @@ SCHEMA: dict[str, Key] = {
     "runtime.rollout_kernels": Choice(KERNEL_MODES, optional=True, null_means="for the same as kernels"),
     "runtime.rollout_dtype": Choice(("float32", "bfloat16")),  # nemo_rz.models.config.DTYPES
     "runtime.crash_worker_at_batch": Int(-1, why="-1 = never"),
+    "runtime.worker_heartbeat_s": Positive(why="seconds a rollout worker may stay silent before it is restarted"),
     "runtime.learner": Choice(("builtin", "megatron"), fixed=True, why="megatron needs the megatron extra"),
     "megatron.tp": Int(1, fixed=True, why="tensor-parallel ranks"),
     "megatron.pp": Int(1, 1, fixed=True, why="pipeline parallelism is not supported yet"),

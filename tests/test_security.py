@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -130,8 +131,11 @@ CLIENT = "import ray; ray.init(address={address!r}, log_to_driver=False); print(
 
 def _client(address: str, env: dict) -> str:
     """'refused' or 'connected': the first verdict a Ray client prints (a refused one retries: stop it there)."""
+    env = dict(env, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")  # keep 127.0.0.1 (Ray would dial this host's network address)
     proc = subprocess.Popen([sys.executable, "-c", CLIENT.format(address=address)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = threading.Timer(120, proc.kill)  # a client that never prints a verdict fails the test, not hangs it
+    deadline.start()
     try:
         for line in proc.stdout:
             if "CONNECTED" in line:
@@ -140,6 +144,7 @@ def _client(address: str, env: dict) -> str:
                 return "refused"
         return f"exited {proc.wait()}"
     finally:
+        deadline.cancel()
         proc.kill()
         proc.wait()
 

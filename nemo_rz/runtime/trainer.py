@@ -31,7 +31,6 @@ from nemo_rz.runtime.jobs import Job, Result, decode_completions, encode_complet
 from nemo_rz.runtime.evaluation import HeldOutEval
 from nemo_rz.runtime.learner import Learner
 from nemo_rz.runtime.metrics_log import MetricsLog
-from nemo_rz.runtime.restarts import HEARTBEAT_S
 from nemo_rz.runtime.weights import WeightsBundle
 from nemo_rz.runtime.warmup import warm_up
 from nemo_rz.tasks import make_task, safe_reward
@@ -178,7 +177,7 @@ class Trainer:
                                                        vocab_size=self.draft.draft.vocab.numel()),
             precision=self.precision.as_dict(),
         )
-        heartbeat_s = OmegaConf.select(self.cfg, "runtime.worker_heartbeat_s", default=HEARTBEAT_S)  # a hung worker's bound
+        heartbeat_s = r.worker_heartbeat_s  # a hung worker's bound
         if r.backend == "local":
             from nemo_rz.runtime.local import LocalBackend
 
