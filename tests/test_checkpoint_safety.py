@@ -398,3 +398,30 @@ def test_a_manifest_from_before_sizes_were_recorded_still_verifies(tmp_path):
     (step / "state.pt").write_bytes((step / "state.pt").read_bytes() + b"x")  # negative control: the checksum still counts
     with pytest.raises(checkpoint.CorruptCheckpoint, match="state.pt does not match its checksum"):
         checkpoint.verify(step)
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_metrics_file_planted_in_a_run_is_refused(tmp_path, planted):
+    """metrics.jsonl is appended only as the run's own regular file: a symlink planted in its place (to a file
+    outside the run) or a FIFO is refused in one line, and the file it points to is untouched."""
+    from nemo_rz.errors import BadInput
+    from nemo_rz.runtime.metrics_log import MetricsLog
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    if planted == "symlink":
+        (run / "metrics.jsonl").symlink_to(outside)
+    else:
+        os.mkfifo(run / "metrics.jsonl")
+    log = MetricsLog(run)
+    with pytest.raises(BadInput, match="metrics.jsonl is"):
+        log.write({"update": 1})
+    with pytest.raises(BadInput, match="metrics.jsonl is"):
+        log.keep_until(0)
+    assert outside.read_text() == "precious\n"
+    (run / "metrics.jsonl").unlink()  # negative control: the run's own file is written and kept
+    log.write({"update": 1})
+    log.keep_until(1)
+    assert (run / "metrics.jsonl").read_text() == '{"update": 1}\n'
