@@ -130,7 +130,8 @@ def summarise(rows: list[dict], summary: dict, window: float) -> dict:
         curves=dict(
             update=[r["update"] for r in rows], k3=[r["k3"] for r in rows], is_dev=[r["is_dev"] for r in rows],
             reward=[r["reward"] for r in rows],
-            heldout=[(0, summary["heldout_pass_at_1_start"])] + [(r["update"], r["heldout_pass_at_1"]) for r in rows if "heldout_pass_at_1" in r],
+            heldout=[(0, summary["heldout_pass_at_1_start"])]
+            + [(r["update"], r["heldout_pass_at_1"]) for r in rows if "heldout_pass_at_1" in r],
         ),
     )
 
@@ -157,7 +158,6 @@ def table(results: dict[str, list[dict]]) -> str:
             "is_dev peak/median | rejection rate (last window) | kernel diff tokens | kernel_k3 median | status |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, runs in results.items():
-        ok = [r for r in runs if r["status"]["ok"]]
         bad = [r for r in runs if not r["status"]["ok"]]
         status = "ok" if not bad else "; ".join(f"stopped at update {r['status']['at_update']}: {r['status']['error'][:90]}" for r in bad)
         lines.append(

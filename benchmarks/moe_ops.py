@@ -6,7 +6,8 @@ down), the gated activation and moe_combine, forward only (what a rollout step r
 
 Timing is process CPU time (all threads), the two kernel sets interleaved call by call so that a neighbour's
 load hits both alike; the median per layer call is reported. With more than one torch thread, the fast
-products' OpenMP workers spin while waiting, and that CPU time counts (consistent products run on one thread). The last column checks the contract on the same
+products' OpenMP workers spin while waiting, and that CPU time counts (consistent products run on one thread).
+The last column checks the contract on the same
 inputs: tokens whose output bits differ between the batch and a call holding that token alone.
 """
 from __future__ import annotations

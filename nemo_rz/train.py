@@ -17,14 +17,25 @@ from omegaconf import OmegaConf
 
 from nemo_rz import atomic
 from nemo_rz import config as config_lib
-from nemo_rz.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_WORKER_FAILED,
-                            ArgumentParser, ConfigError, DivergenceError, Terminated, WorkerFailed)
+from nemo_rz.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    EXIT_WORKER_FAILED,
+    ArgumentParser,
+    ConfigError,
+    DivergenceError,
+    Terminated,
+    WorkerFailed,
+)
 from nemo_rz.runtime import runlock
 
 
 def _args(argv):
     ap = ArgumentParser(prog="python -m nemo_rz.train", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", help="YAML file, or a preset name such as smollm2_arith, merged over conf/default.yaml (on resume: over the run's config)")
+    ap.add_argument("--config", help="YAML file, or a preset name such as smollm2_arith, merged over conf/default.yaml "
+                                     "(on resume: over the run's config)")
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. algo.max_lag=8 runtime.rollout_workers=2")
     return ap.parse_args(argv)
 
@@ -123,7 +134,8 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     print(f"\nrun directory: {run_dir}")
     print(f"held-out pass@1: {summary['heldout_pass_at_1_start']:.3f} -> {summary['heldout_pass_at_1_end']:.3f} "
           f"({summary['heldout_gain_points']:+.1f} points) in {summary['updates']} updates, {summary['seconds']:.0f}s")
-    print(f"trajectories: produced {summary['produced']} = trained {summary['trained']} + refused {summary['refused'] or 0} + pending {summary['pending']}")
+    print(f"trajectories: produced {summary['produced']} = trained {summary['trained']} + refused {summary['refused'] or 0} "
+          f"+ pending {summary['pending']}")
     print(f"lag histogram: {summary['lag_histogram']}   is_dev peak/median: {summary['is_dev_peak_over_median']:.2f}   "
           f"max grad norm: {summary['max_grad_norm']:.3g}")
 

@@ -3,8 +3,8 @@ TP=2 logprobs in both kernel modes, then a DP=2 learner update; rank 0 saves wha
 import sys
 
 import torch
-
 from conftest import tiny_model
+
 from nemo_rz import ops
 from nemo_rz.algorithms.advantages import group_advantages
 from nemo_rz.generation.packing import Packed

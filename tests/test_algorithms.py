@@ -1,15 +1,23 @@
 """Advantages, corrections, losses and the NeMo RL adapter: hand-worked numbers and properties."""
+import enum
 import math
 import sys
 import types
-import enum
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from nemo_rz.algorithms import (CORRECTIONS, NonFiniteRatioError, ReinforceZeroLossFn, group_advantages,
-                                importance_weights, ppo_clip_loss, reinforce_zero_loss)
+from nemo_rz.algorithms import (
+    CORRECTIONS,
+    NonFiniteRatioError,
+    ReinforceZeroLossFn,
+    group_advantages,
+    importance_weights,
+    ppo_clip_loss,
+    reinforce_zero_loss,
+)
 
 F64 = torch.float64
 L = math.log

@@ -4,8 +4,8 @@ import contextlib
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from nemo_rz.algorithms import aux_loss
 from nemo_rz.generation.packing import pack
 from nemo_rz.generation.sampling import Completion

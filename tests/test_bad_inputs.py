@@ -4,9 +4,9 @@ references in a --config file, environment lookups the user allows, a BOM, dupli
 
 The machine is pinned (2 cores, 8 GiB available) so that the size limits read the same everywhere."""
 import json
+import multiprocessing
 import os
 import subprocess
-import multiprocessing
 
 import pytest
 from omegaconf import OmegaConf
@@ -66,7 +66,7 @@ CASES = {
     "--config reads the environment": (
         lambda t: ["--config", str(_write(t, "c.yaml", "task:\n  system_prompt: ${oc.env:NEMO_RZ_TEST_SECRET}\n"))],
         "task.system_prompt = '${oc.env:NEMO_RZ_TEST_SECRET}' reads the environment; a config file may only refer "
-        f"to its own keys"),
+        "to its own keys"),
     "--config names the switch": (
         lambda t: ["--config", str(_write(t, "c.yaml", "run_dir: /tmp/${oc.env:NEMO_RZ_TEST_SECRET}\n"))],
         f"or set {config.ALLOW_ENV}=1 to allow it"),

@@ -19,12 +19,11 @@ import pytest
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
+from test_faults import TINY
 
 from nemo_rz import atomic, config, train
 from nemo_rz.runtime import checkpoint, runlock
 from nemo_rz.runtime.trainer import Trainer
-
-from test_faults import TINY
 
 RUN = ["algo.updates=3", "checkpoint.every=1", "checkpoint.keep=3"]
 

@@ -1,10 +1,9 @@
 """The command line takes `--config` and `key=value` overrides in any order, and `run_dir=` never writes into a
 folder that is not a run."""
 import pytest
+from test_cli_errors import TINY
 
 from nemo_rz import train
-
-from test_cli_errors import TINY
 
 
 def test_options_and_overrides_intermixed(tmp_path, capsys):

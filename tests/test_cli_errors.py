@@ -89,7 +89,8 @@ CASES = {
     "config unknown key": (["--config", "{base}/unknown.yaml"], "unknown config key 'algo.max_lga' in {base}/unknown.yaml"),
     "config reads the environment": (["--config", "{base}/env.yaml"], "run_dir = '/tmp/${oc.env:HOME}' reads the environment; "
                                      "a config file may only refer to its own keys"),
-    "config duplicate key": (["--config", "{base}/dup.yaml"], "dup.yaml: not valid YAML (while constructing a mapping, found duplicate key seed at line 2"),
+    "config duplicate key": (["--config", "{base}/dup.yaml"],
+                             "dup.yaml: not valid YAML (while constructing a mapping, found duplicate key seed at line 2"),
     "config alias bomb": (["--config", "{base}/bomb.yaml"], "bomb.yaml: expands to more than 10000 values"),
     "config a device": (["--config", "/dev/zero"], "--config /dev/zero: cannot read it (a device, not a regular file)"),
     "task option mistyped": (["task.options.n_train=abc"], "task.options.n_train = 'abc': expected an integer"),
@@ -114,7 +115,9 @@ CASES = {
 @pytest.mark.parametrize("args, message", list(CASES.values()), ids=list(CASES))
 def test_bad_input_is_one_line_and_exit_code_2(run, capsys, args, message):
     before = (run / "run" / "config.yaml").read_bytes()
-    fill = lambda s: s.replace("{base}", str(run))
+    def fill(s):
+        return s.replace("{base}", str(run))
+
     args = [fill(a) for a in args]
     if not any(a.startswith(("run_dir=", "resume=")) for a in args):
         args.append(f"run_dir={run / 'fresh'}")

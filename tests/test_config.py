@@ -37,7 +37,9 @@ def test_written_out_value_sets_match_the_code():
     from nemo_rz.models.config import DTYPES
     from nemo_rz.runtime.learner import LOSSES
 
-    choices = lambda key: tuple(schema.SCHEMA[key]._choices())
+    def choices(key):
+        return tuple(schema.SCHEMA[key]._choices())
+
     assert choices("kernels") == choices("runtime.rollout_kernels") == tuple(ops.MODES)
     assert choices("algo.loss") == LOSSES
     assert choices("algo.correction") == tuple(CORRECTIONS)

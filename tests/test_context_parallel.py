@@ -467,7 +467,7 @@ def test_draft_loss_one_process_equals_training_loss(distill, monkeypatch):
         assert _close(grads[name], p.grad), name
     # Negative control: without the branch (step s > 1 sees only its own step's entries) the later steps'
     # losses leave that tolerance.
-    monkeypatch.setattr(context, "_draft_attention", _without_branch)
+    monkeypatch.setattr(context, "draft_attention", _without_branch)
     wrong = _draft_grads(target, draft, ids, mask, aux, final if distill else None)[1]
     assert wrong["draft_loss_1"] == metrics["draft_loss_1"]
     assert all(abs(wrong[k] - ref_metrics[k]) > 1e-4 * abs(ref_metrics[k]) for k in ("draft_loss_2", "draft_loss_3"))
@@ -511,7 +511,7 @@ def test_draft_dense_batch_is_the_packed_rows_bits(monkeypatch):
     dense = states(batch)
     assert len(dense) == len(packed) == DRAFT_STEPS
     assert all(torch.equal(d[rows], p) for d, p in zip(dense, packed))
-    monkeypatch.setattr(context, "_draft_attention", _dense_softmax)
+    monkeypatch.setattr(context, "draft_attention", _dense_softmax)
     softmax = states(batch)
     assert all(_close(d[rows], p) for d, p in zip(softmax, packed)) and not torch.equal(softmax[0][rows], packed[0])
 

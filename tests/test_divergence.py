@@ -2,6 +2,7 @@
 checkpoint."""
 import pytest
 import torch
+from conftest import tiny_model
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -12,7 +13,6 @@ from nemo_rz.generation.packing import pack
 from nemo_rz.runtime import checkpoint, learner
 from nemo_rz.runtime.learner import Learner
 from nemo_rz.runtime.trainer import Trainer
-from conftest import tiny_model
 
 TINY = [
     "task.name=add1", "warmup.steps=40", "warmup.lr=0.003", "algo.prompts_per_update=4", "algo.group_size=4", "eval.n=8",

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from nemo_rz import errors, train
 from nemo_rz.algorithms import importance_weights
 from nemo_rz.generation import RolloutEngine, SamplingParams

@@ -16,9 +16,9 @@ import json
 
 import pytest
 import torch
+from conftest import count_diff
 from safetensors.torch import save_file
 
-from conftest import count_diff
 from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.models import Decoder, DecoderConfig, ModelFileError, config_from_hf, load_hf, save_hf
@@ -173,7 +173,8 @@ def test_rope_tables_equal_transformers(family, hf_root):
         theta, scaling = cfg.rope(layer)
         for (cos2, sin2), close in ((rope_ops.rope_table(cfg.head_dim, theta, 4096, "cpu", scaling), True),
                                     (_f64_table(cfg.head_dim, theta, scaling, 4096, "cpu"), False)):
-            diff = max((cos2[:4096, cfg.head_dim // 2:] - cos).abs().max().item(), (sin2[:4096, cfg.head_dim // 2:] - sin).abs().max().item())
+            diff = max((cos2[:4096, cfg.head_dim // 2:] - cos).abs().max().item(),
+                       (sin2[:4096, cfg.head_dim // 2:] - sin).abs().max().item())
             assert diff <= 2.4e-7 if close else diff > 1e-5, (layer, close, diff)
 
 

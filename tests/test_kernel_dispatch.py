@@ -10,12 +10,12 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-import torch  # noqa: E402
-
 import contextlib  # noqa: E402
 import importlib  # noqa: E402
 
+import torch  # noqa: E402
 from conftest import count_diff, tiny_model  # noqa: E402
+
 from nemo_rz import kernels, ops  # noqa: E402
 from nemo_rz.generation import RolloutEngine, SamplingParams  # noqa: E402
 

@@ -17,6 +17,7 @@ pytest.importorskip("megatron.core")
 
 from conftest import tiny_model  # noqa: E402
 from megatron_ranks import VOCAB, batch, learner, rl_batch  # noqa: E402
+
 from nemo_rz import ops  # noqa: E402
 from nemo_rz.parallel.tensor import tree_sum  # noqa: E402
 from nemo_rz.runtime import checkpoint  # noqa: E402
@@ -234,9 +235,10 @@ def test_tp1_run_resumes_bit_exactly_from_its_checkpoint(tmp_path):
     from nemo_rz.runtime.trainer import Trainer
 
     over = [o for o in TINY if o != "megatron.tp=2"]
-    run = lambda name, updates, resume=None: Trainer(
-        config.load(None, over + [f"run_dir={tmp_path / name}", f"algo.updates={updates}"]), tmp_path / name,
-        resume=resume, log=lambda *_: None).run()
+    def run(name, updates, resume=None):
+        return Trainer(config.load(None, over + [f"run_dir={tmp_path / name}", f"algo.updates={updates}"]), tmp_path / name,
+                       resume=resume, log=lambda *_: None).run()
+
     run("full", 2)
     run("part", 1)
     run("part", 2, resume=tmp_path / "part")

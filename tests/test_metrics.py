@@ -3,7 +3,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nemo_rz.metrics import RunningPeakMedian, decomposition, lag_histogram, mismatch_metrics
 

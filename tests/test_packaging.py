@@ -14,7 +14,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import venv_over_this
 
 ROOT = Path(__file__).resolve().parent.parent

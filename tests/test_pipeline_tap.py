@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from test_context_parallel import run_ranks
 
 from nemo_rz import ops
 from nemo_rz.models import Decoder, DecoderConfig
 from nemo_rz.models.draft import DraftHead, aux_features
 from nemo_rz.parallel.pipeline import Pipeline, TapChannel, embedded, stage_layers
-from test_context_parallel import run_ranks
 
 AUX, STEPS, MICRO = (0, 2, 3), 2, 2
 
@@ -92,7 +92,8 @@ def _worker(rank: int, world: int) -> None:
     mine = set(stage_layers(4, world, rank))
     grads = _grads(model)
     expected = {n for n in ref_model if (n.startswith("model.layers.") and int(n.split(".")[2]) in mine)
-                or (rank == 0 and "embed_tokens" in n) or (rank == world - 1 and not n.startswith("model.layers.") and "embed_tokens" not in n)}
+                or (rank == 0 and "embed_tokens" in n)
+                or (rank == world - 1 and not n.startswith("model.layers.") and "embed_tokens" not in n)}
     assert set(grads) == expected
     for n, g in grads.items():
         assert torch.equal(g, ref_model[n]), n

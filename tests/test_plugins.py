@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import venv_over_this
+
 from nemo_rz import plugins, schema
 from nemo_rz.algorithms import CORRECTIONS, Correction, importance_weights, reinforce_zero_loss
 from nemo_rz.config import load

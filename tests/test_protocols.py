@@ -4,8 +4,8 @@ import importlib
 import inspect
 
 import pytest
-
 from conftest import tiny_model
+
 from nemo_rz.generation import RolloutEngine
 from nemo_rz.protocols import KVCacheProtocol, RolloutEngineProtocol, RuntimeBackendProtocol
 

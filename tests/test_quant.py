@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from nemo_rz.quant import RECIPES, QTensor, quantize
-from nemo_rz.quant.qtensor import expand
 from nemo_rz.quant.formats import (
     e2m1_codes,
     e2m1_values,
@@ -22,6 +21,7 @@ from nemo_rz.quant.formats import (
     to_e5m2,
     unpack_e2m1,
 )
+from nemo_rz.quant.qtensor import expand
 
 F = np.float32
 FLT_MAX = F(np.finfo(np.float32).max)

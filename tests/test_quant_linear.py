@@ -13,8 +13,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported (as 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
 from conftest import count_diff, tiny_model  # noqa: E402
+
 from nemo_rz import ops  # noqa: E402
 from nemo_rz.generation import RolloutEngine, SamplingParams  # noqa: E402
 from nemo_rz.quant import RECIPES, quantize  # noqa: E402

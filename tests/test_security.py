@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_faults import TINY
 
 from nemo_rz import config, train
 from nemo_rz.runtime import checkpoint, runlock
 from nemo_rz.runtime.trainer import Trainer
-
-from test_faults import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,18 +86,22 @@ def unsafe_loads(source: str, filename: str = "<source>") -> list[str]:
     loads with allow_pickle=True."""
     found = []
     for node in ast.walk(ast.parse(source, filename)):
-        if isinstance(node, ast.ImportFrom) and node.module in PICKLERS and any(a.name.startswith("load") or a.name == "Unpickler" for a in node.names):
+        if isinstance(node, ast.ImportFrom) and node.module in PICKLERS and any(a.name.startswith("load") or a.name == "Unpickler"
+                                                                                for a in node.names):
             found.append(f"{filename}:{node.lineno}: from {node.module} import ...")
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             continue
         owner = node.func.value.id if isinstance(node.func.value, ast.Name) else None
         name, kw = node.func.attr, {k.arg: k.value for k in node.keywords}
-        const = lambda key: isinstance(kw.get(key), ast.Constant) and kw[key].value is True
+        def const(key):
+            return isinstance(kw.get(key), ast.Constant) and kw[key].value is True
+
         if owner in PICKLERS and (name.startswith("load") or name == "Unpickler"):
             found.append(f"{filename}:{node.lineno}: {owner}.{name}")
         elif owner == "torch" and name == "load" and not const("weights_only"):
             found.append(f"{filename}:{node.lineno}: torch.load without weights_only=True")
-        elif owner in ("np", "numpy") and name == "load" and "allow_pickle" in kw and not (isinstance(kw["allow_pickle"], ast.Constant) and kw["allow_pickle"].value is False):
+        elif owner in ("np", "numpy") and name == "load" and "allow_pickle" in kw and not (
+                isinstance(kw["allow_pickle"], ast.Constant) and kw["allow_pickle"].value is False):
             found.append(f"{filename}:{node.lineno}: numpy load with allow_pickle")
     return found
 

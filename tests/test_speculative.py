@@ -165,3 +165,20 @@ def test_bad_settings_are_one_line_errors(draft):
     wide = tiny_model(seed=1, hidden_size=32)
     with pytest.raises(ValueError, match="draft hidden_size 64 does not match the target's 32"):
         RolloutEngine(wide, speculator=Speculator(draft, 2))
+
+
+def test_moe_rollouts_record_the_experts_of_every_emitted_token():
+    """A speculative step emits several tokens from one target pass; each gets the experts of the row that
+    scored it, the routing plain decoding records (greedy: the same tokens, so the same rows)."""
+    from test_families import _engine_model
+
+    model = _engine_model("qwen3-moe-like")
+    prompts = [[3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]]
+    params = SamplingParams(10, temperature=0.0)
+    plain = RolloutEngine(model, max_batch_size=2, max_model_len=64).generate(prompts, params)
+    torch.manual_seed(0)
+    spec = RolloutEngine(model, max_batch_size=2, max_model_len=64, speculator=Speculator(DraftHead(model.config), 3))
+    out = spec.generate(prompts, params)
+    assert spec.stats["spec_verify"] > 0
+    assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+    assert all(c.routing is not None and torch.equal(c.routing, p.routing) for c, p in zip(out, plain))

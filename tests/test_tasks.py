@@ -2,11 +2,12 @@
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nemo_rz.tasks import TASKS, CharTokenizer, evaluate_pass_at_1, jsonl_task, load_jsonl, make_task, safe_reward
-from nemo_rz.tasks.verifiers import VERIFIERS, exact, numeric
 from nemo_rz.tasks.tokenizer import DEFAULT_CHARS
+from nemo_rz.tasks.verifiers import VERIFIERS, exact, numeric
 
 TOK = CharTokenizer()
 
@@ -307,8 +308,8 @@ def test_task_options_are_typed_per_task(name, options, match):
 
 
 def test_task_options_are_normalised(tmp_path):
-    from nemo_rz.tasks import options
     from nemo_rz.plugins import load
+    from nemo_rz.tasks import options
 
     path = write(tmp_path, _rows(3))
     assert options.check("jsonl", load("task", "jsonl"), {"heldout_fraction": 1, "name": 2024, "path": path,

@@ -77,7 +77,8 @@ def test_task_rendering(tok, tmp_path):
     task = make_task("add2", tokenizer=tok, system_prompt="Be brief.", n_train=20, n_heldout=5)
     assert task.chat and task.train[0].prompt.startswith("What is ") and task.train[0].prompt.endswith("? Answer with just the number.")
     ids = task.encode_prompt(task.train[0].prompt)
-    assert tok.tok.decode(ids) == f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{task.train[0].prompt}<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.tok.decode(ids) == (f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{task.train[0].prompt}<|im_end|>\n"
+                                   "<|im_start|>assistant\n")
     a, b = task.train[0].prompt.removeprefix("What is ").split("?")[0].split(" + ")
     assert task.train[0].answer == str(int(a) + int(b))
     assert task.reward(tok.encode(f"{a} + {b} = {task.train[0].answer}", eos=True), task.train[0].answer) == 1.0
@@ -214,8 +215,10 @@ def cfg_overrides(cfg) -> list[str]:
 
 # -- chat templates: rendered as transformers renders them, within bounds -------------------------------------
 KITCHEN_SINK = r"""{%- set ns = namespace(last_user=-1, tools=[]) %}
-{%- for m in messages[::-1] %}{%- if ns.last_user < 0 and m.role == 'user' %}{%- set ns.last_user = messages|length - 1 - loop.index0 %}{%- endif %}{%- endfor %}
-{%- macro show(m, i) -%}[{{ i }}/{{ messages|length }}] {{ m['role']|upper }}{{ ':' ~ ' ' }}{{ m.content|trim }}{% if m.extra is defined %} {{ m.extra|tojson }}{% endif %}{%- endmacro %}
+{%- for m in messages[::-1] %}{%- if ns.last_user < 0 and m.role == 'user' %}
+{%- set ns.last_user = messages|length - 1 - loop.index0 %}{%- endif %}{%- endfor %}
+{%- macro show(m, i) -%}[{{ i }}/{{ messages|length }}] {{ m['role']|upper }}{{ ':' ~ ' ' }}{{ m.content|trim }}
+{%- if m.extra is defined %} {{ m.extra|tojson }}{% endif %}{%- endmacro %}
 {{- bos_token }}{% if messages[0].role == 'system' %}<<SYS>>{{ messages[0].content.split(' ')|join('_') }}<</SYS>>
 {% endif %}
 {%- for m in messages if m.role != 'system' %}

@@ -3,13 +3,11 @@ row's bits whatever the row count or thread count, gradients repeat bit for bit,
 accurate at real vocabulary sizes."""
 import pytest
 import torch
-import torch.nn.functional as F
+from conftest import tiny_model
 
 from nemo_rz import ops
 from nemo_rz.ops import verified
 from nemo_rz.ops.logprobs import log_softmax_tiled
-
-from conftest import tiny_model
 
 SMOLLM2_LINEARS = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # (K, N) of SmolLM2-135M's linears
 
@@ -177,9 +175,9 @@ def test_batch_invariant_addmm_ignores_the_bias_when_beta_is_zero():
 
 def test_tiles_fallback_stays_bit_identical(monkeypatch):
     """With the library routes off (NEMO_RZ_VERIFIED=0), the fixed tiles keep rollout and learner equal."""
-    from nemo_rz.generation import RolloutEngine, SamplingParams
-
     from conftest import count_diff
+
+    from nemo_rz.generation import RolloutEngine, SamplingParams
 
     monkeypatch.setattr(verified, "_ENABLED", False)
     model = tiny_model(seed=3)

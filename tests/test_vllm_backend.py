@@ -13,8 +13,8 @@ import importlib.util
 
 import pytest
 import torch
-
 from conftest import count_diff
+
 from nemo_rz.generation import SamplingParams
 from nemo_rz.models import Decoder, DecoderConfig
 from nemo_rz.models.hf import load_hf

@@ -9,11 +9,11 @@ Qwen3-MoE's per-expert tensors loaded into the stacked experts; negative control
 import importlib.util
 
 import pytest
-
 from conftest import count_diff
+from test_families import WINDOW, _hf_dir
+
 from nemo_rz.generation import SamplingParams
 from nemo_rz.models.hf import load_hf
-from test_families import WINDOW, _hf_dir
 
 pytestmark = [
     pytest.mark.vllm,

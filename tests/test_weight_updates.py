@@ -20,6 +20,7 @@ import importlib.util
 
 import pytest
 import torch
+from test_families import WINDOW, _hf_dir
 
 from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
@@ -27,7 +28,6 @@ from nemo_rz.generation.packing import pack
 from nemo_rz.models import Decoder, load_hf
 from nemo_rz.ops import weight_cache
 from nemo_rz.quant.apply import apply_precision
-from test_families import WINDOW, _hf_dir
 
 # family -> the checkpoint of tests/test_families.py that stands for it (written by transformers' own classes)
 FAMILIES = {"llama": "llama3-rope", "qwen2": "qwen2-window-mix", "qwen3": "qwen3-yarn", "qwen3-moe": "qwen3-moe",
@@ -119,7 +119,9 @@ def test_one_forget_drops_every_kind_of_copy(root):
 def test_a_copy_follows_version_storage_and_shape_and_is_replaced_not_added():
     w = torch.nn.Parameter(torch.randn(4, 3))
     calls = []
-    make = lambda: calls.append(1) or w.detach().t().contiguous()
+    def make():
+        return calls.append(1) or w.detach().t().contiguous()
+
     first = weight_cache.derived(w, "t", make)
     assert weight_cache.derived(w, "t", make) is first and len(calls) == 1
     with torch.no_grad():
@@ -186,7 +188,9 @@ def test_builtin_engine_follows_optimizer_steps_and_update_weights(family, dtype
 @pytest.mark.parametrize("family, dtype, recipe", [("qwen3-moe", "bfloat16", "mxfp8"), ("gpt-oss", "float32", "nvfp4")])
 def test_builtin_engine_follows_updates_of_quantized_weights(family, dtype, recipe, root):
     path = _hf_dir(FAMILIES[family], root)
-    make = lambda: apply_precision(load_hf(path, dtype), {"recipe": recipe})
+    def make():
+        return apply_precision(load_hf(path, dtype), {"recipe": recipe})
+
     _builtin_case(make(), make)
 
 

@@ -6,11 +6,11 @@ one block too short for the chunk loses keys the window still sees, and fast ker
 """
 import pytest
 import torch
-
 from conftest import count_diff
+from test_families import WINDOW, _engine_model
+
 from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
-from test_families import WINDOW, _engine_model
 
 PARAMS = SamplingParams(max_new_tokens=10, seed=3)
 

@@ -6,10 +6,10 @@ produce differences, proving the comparison can fail.
 """
 import pytest
 import torch
+from conftest import count_diff, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import count_diff, tiny_model
 from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
 
@@ -58,7 +58,9 @@ def test_position_and_batch_composition_do_not_change_a_request():
     params = SamplingParams(max_new_tokens=16, seed=99)
     alone = RolloutEngine(MODEL, max_batch_size=1).generate([target], params)[0]
     others = _prompts(2, 30, 35)
-    crowd = RolloutEngine(MODEL, max_batch_size=8).generate(others[:17] + [target] + others[17:], [SamplingParams(16, seed=i) for i in range(17)] + [params] + [SamplingParams(16, seed=i) for i in range(18, 31)])[17]
+    crowd = RolloutEngine(MODEL, max_batch_size=8).generate(
+        others[:17] + [target] + others[17:],
+        [SamplingParams(16, seed=i) for i in range(17)] + [params] + [SamplingParams(16, seed=i) for i in range(18, 31)])[17]
     assert crowd.token_ids == alone.token_ids
     assert torch.equal(crowd.logprobs, alone.logprobs)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib
 
-from .window import check_window, window_start
+from .window import check_window as check_window
+from .window import window_start as window_start
 
 _LAZY = {
     "linear": "matmul",

@@ -57,7 +57,7 @@ def _attention_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     m = tl.full((G_PAD,), -float("inf"), tl.float32)
-    l = tl.zeros((G_PAD,), dtype=tl.float32)
+    denom = tl.zeros((G_PAD,), dtype=tl.float32)
     acc = tl.zeros((G_PAD, BLOCK_D), dtype=tl.float32)
     kk = tl.arange(0, KV_BLOCK)
     for b in range(start // KV_BLOCK, pos // KV_BLOCK + 1):
@@ -80,7 +80,7 @@ def _attention_kernel(
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        denom = denom * alpha + tl.sum(p, axis=1)
         if IEEE:
             acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
         else:
@@ -90,9 +90,9 @@ def _attention_kernel(
         sink = tl.load(sink_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
         m_new = tl.maximum(m, sink)
         alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.exp(sink - m_new)
+        denom = denom * alpha + tl.exp(sink - m_new)
         acc = acc * alpha[:, None]
-    out = acc / l[:, None]
+    out = acc / denom[:, None]
     tl.store(o_ptr + tok * (H * D) + heads[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
 

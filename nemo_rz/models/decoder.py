@@ -148,7 +148,8 @@ class Decoder(nn.Module):
         return ops.linear(hidden, weight)
 
     # -- learner path ------------------------------------------------------------------------------
-    def _dense(self, input_ids: torch.Tensor) -> Tokens:
+    def tokens(self, input_ids: torch.Tensor) -> Tokens:
+        """A padded [B, T] batch as the Tokens every layer reads (positions, sequence ids, the attention plan)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}")
         b, length = input_ids.shape
@@ -160,12 +161,12 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] for a dense batch."""
         b, length = input_ids.shape
-        return self.logits(self.hidden(self._dense(input_ids))).view(b, length, -1)
+        return self.logits(self.hidden(self.tokens(input_ids))).view(b, length, -1)
 
     def token_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
         """float32 [B, T-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) at `temperature`; 0 past each length."""
         b, length = input_ids.shape
-        hid = self.hidden(self._dense(input_ids)).view(b, length, -1)[:, :-1]
+        hid = self.hidden(self.tokens(input_ids)).view(b, length, -1)[:, :-1]
         targets = input_ids[:, 1:].reshape(-1)
         lp = ops.token_logprobs(self.logits(hid.reshape(b * (length - 1), -1)), targets, temperature).view(b, length - 1)
         if lengths is not None:
@@ -190,7 +191,9 @@ class Decoder(nn.Module):
             return min(max_len, ring + (-ring) % ops.KV_BLOCK)
 
         shapes = [(num_seqs, cfg.num_kv_heads, slots(w), cfg.head_dim) for w in cfg.windows()]
-        make = lambda: [torch.zeros(shape, dtype=cfg.torch_dtype, device=dev) for shape in shapes]
+        def make():
+            return [torch.zeros(shape, dtype=cfg.torch_dtype, device=dev) for shape in shapes]
+
         return KVCache(make(), make(), max_len, cfg.windows())
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, seq_idx: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -237,14 +237,14 @@ class DraftHead(nn.Module):
         t + s in, position t + s - 1), step 1 fed by the target features aux [B * T, len(aux_layers) * H]. The
         batch's rows are the sequences of a packed row on one rank: every root's states are the bits
         cp_draft_loss computes for it (the same core as ops.attention, whatever the padding)."""
-        from nemo_rz.parallel.context import ZigzagShard, _draft_attention  # parallel.context builds on the models
+        from nemo_rz.parallel.context import ZigzagShard, draft_attention  # parallel.context builds on the models
 
         if steps < 1:
             raise ValueError(f"draft.steps = {steps}: must be >= 1")
         b, length = input_ids.shape
         reads = [F.pad(input_ids[:, s:], (0, s)).reshape(-1) for s in range(1, steps + 1)]  # root t reads t + s (0 past the end)
         positions = torch.arange(length, device=input_ids.device).repeat(b)
-        attend = functools.partial(_draft_attention, shard=ZigzagShard(range(0, b * length + 1, length), 1, 0), group=None)
+        attend = functools.partial(draft_attention, shard=ZigzagShard(range(0, b * length + 1, length), 1, 0), group=None)
         for s, x in self.run_steps(target, self.fc(aux), reads, positions, attend):
             yield s, x.view(b, length, -1)
 

@@ -44,7 +44,7 @@ _NAMES_SHOWN = 3
 JSON_MAX_BYTES = 64 << 20  # config.json and the shard index are kilobytes to a few megabytes
 
 
-def _read_json(file: Path) -> object:
+def read_json(file: Path) -> object:
     try:
         size = file.stat().st_size
         if size > JSON_MAX_BYTES:
@@ -68,7 +68,7 @@ def _weight_files(root: Path) -> list[Path]:
     if single.is_file():
         return [single]
     if index.is_file():
-        data = _read_json(index)
+        data = read_json(index)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
             raise ModelFileError(f"{index} has no valid 'weight_map' object; re-save or re-download the checkpoint")
@@ -151,7 +151,8 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple, str]]:
     return found
 
 
-def _found(files: list[Path], cfg: DecoderConfig, headers: dict | None = None, arch: str | None = None) -> dict[str, tuple[Path, tuple, str]]:
+def _found(files: list[Path], cfg: DecoderConfig, headers: dict | None = None,
+           arch: str | None = None) -> dict[str, tuple[Path, tuple, str]]:
     """{tensor name: (file, shape, safetensors dtype)} of every tensor the model could use, first file wins."""
     headers = _headers(files) if headers is None else headers
     return {name: entry for name, entry in headers.items() if not ignored_tensor(name, cfg, arch)}
@@ -307,7 +308,7 @@ def load_hf(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> 
             f"no {CONFIG_FILE} in {root}: not a Hugging Face checkpoint directory; save the model with "
             "save_pretrained() or nemo_rz.models.save_hf()"
         )
-    d = _read_json(config_file)
+    d = read_json(config_file)
     if not isinstance(d, dict):
         config_from_hf(d, str(config_file), dtype)  # raises: not a JSON object
     arch = architecture_of(d, str(config_file))

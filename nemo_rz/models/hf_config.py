@@ -71,7 +71,7 @@ def architecture_of(d: dict, source: str) -> str:
 
 
 # -- typed reads -------------------------------------------------------------------------------------------
-def _int(d: dict, key: str, source: str, default=None, required: bool = False, minimum: int = 1) -> int | None:
+def read_int(d: dict, key: str, source: str, default=None, required: bool = False, minimum: int = 1) -> int | None:
     value = d.get(key)
     if value is None:
         if required:
@@ -83,7 +83,7 @@ def _int(d: dict, key: str, source: str, default=None, required: bool = False, m
     return value
 
 
-def _float(d: dict, key: str, source: str, default: float | None) -> float | None:
+def read_float(d: dict, key: str, source: str, default: float | None) -> float | None:
     value = d.get(key)
     if value is None:
         return default
@@ -92,7 +92,7 @@ def _float(d: dict, key: str, source: str, default: float | None) -> float | Non
     return float(value)
 
 
-def _bool(d: dict, key: str, source: str, default: bool) -> bool:
+def read_bool(d: dict, key: str, source: str, default: bool) -> bool:
     value = d.get(key, default)
     if value is None:
         return default
@@ -101,7 +101,7 @@ def _bool(d: dict, key: str, source: str, default: bool) -> bool:
     return value
 
 
-def _refuse_set(d: dict, source: str, key: str, why: str) -> None:
+def refuse_set(d: dict, source: str, key: str, why: str) -> None:
     if d.get(key) not in (None, False):
         raise ModelFileError(f"{key}={d[key]!r} in {source} is not supported: {why}; use a checkpoint without it")
 
@@ -131,7 +131,7 @@ def _one_rope(p: dict, d: dict, source: str, where: str, default_theta: float) -
             f"partial_rotary_factor={factor!r} in {source} is not supported: nemo_rz rotates the whole head; "
             "use a checkpoint with full rotary embeddings"
         )
-    theta = _float({"rope_theta": p.get("rope_theta", d.get("rope_theta"))}, "rope_theta", source, default_theta)
+    theta = read_float({"rope_theta": p.get("rope_theta", d.get("rope_theta"))}, "rope_theta", source, default_theta)
     if rope_type == "default":
         return theta, None
     scaling: dict = {"rope_type": rope_type}
@@ -167,7 +167,7 @@ def _rope(d: dict, source: str, fam, model_type: str) -> tuple[float, dict | Non
     if not nested:
         theta, scaling = _one_rope(params, d, source, where, fam.theta)
         if fam.local_theta is not None:  # legacy Gemma 3: the scaling is the full layers', rope_local_base_freq the rest
-            return theta, scaling, _float(d, "rope_local_base_freq", source, fam.local_theta)
+            return theta, scaling, read_float(d, "rope_local_base_freq", source, fam.local_theta)
         return theta, scaling, None
     if len(nested) != len(params):
         raise ModelFileError(
@@ -212,14 +212,14 @@ def _layer_windows(d: dict, source: str, fam, layers: int) -> tuple[int | None, 
         if not d.get("use_sliding_window") or d.get("sliding_window") is None:
             types = full
         else:
-            first = _int(d, "max_window_layers", source, _DEFAULT_MAX_WINDOW_LAYERS, minimum=0)
+            first = read_int(d, "max_window_layers", source, _DEFAULT_MAX_WINDOW_LAYERS, minimum=0)
             types = _layer_types(d, source, layers, ["sliding_attention" if i >= first else "full_attention" for i in range(layers)])
     else:  # gpt-oss, Gemma 3: layer_types, or their default pattern
         pattern = fam.pattern(d, source)
         types = _layer_types(d, source, layers, ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)])
     if "sliding_attention" not in types:
         return None, None
-    window = _int(d, "sliding_window", source, fam.default_window)
+    window = read_int(d, "sliding_window", source, fam.default_window)
     if window is None:
         raise ModelFileError(f"{source} has sliding-window layers but no 'sliding_window'; fix config.json")
     return window, None if all(t == "sliding_attention" for t in types) else types
@@ -278,12 +278,12 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
             f"{' and '.join(QUANTIZED_CHECKPOINTS)} checkpoints; use one of these or the float release of the model"
         )
     extra = _family_keys(d, source, fam, arch)
-    biased = {"qkv": True, "none": False}.get(fam.bias, _bool(d, "attention_bias", source, fam.bias_default))
-    heads = _int(d, "num_attention_heads", source, required=True)
-    hidden = _int(d, "hidden_size", source, required=True)
-    layers = _int(d, "num_hidden_layers", source, required=True)
-    head_dim = _int(d, "head_dim", source, fam.head_dim or hidden // heads)
-    kv_heads = _int(d, "num_key_value_heads", source, heads)
+    biased = {"qkv": True, "none": False}.get(fam.bias, read_bool(d, "attention_bias", source, fam.bias_default))
+    heads = read_int(d, "num_attention_heads", source, required=True)
+    hidden = read_int(d, "hidden_size", source, required=True)
+    layers = read_int(d, "num_hidden_layers", source, required=True)
+    head_dim = read_int(d, "head_dim", source, fam.head_dim or hidden // heads)
+    kv_heads = read_int(d, "num_key_value_heads", source, heads)
     if heads % kv_heads:
         raise ModelFileError(
             f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads} in {source}; fix config.json"
@@ -296,9 +296,9 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
         local_theta = None  # no sliding layer, or they rotate as the full ones
     try:
         return DecoderConfig(
-            vocab_size=_int(d, "vocab_size", source, required=True),
+            vocab_size=read_int(d, "vocab_size", source, required=True),
             hidden_size=hidden,
-            intermediate_size=_int(d, "intermediate_size", source, required=True),
+            intermediate_size=read_int(d, "intermediate_size", source, required=True),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -306,12 +306,12 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
             rope_theta=theta,
             rope_scaling=scaling,
             rope_local_theta=local_theta,
-            rms_norm_eps=_float(d, "rms_norm_eps", source, fam.rms_norm_eps),
+            rms_norm_eps=read_float(d, "rms_norm_eps", source, fam.rms_norm_eps),
             qk_norm=fam.qk_norm,
             attention_bias=biased,
             o_proj_bias=biased and fam.bias == "config",
-            tie_word_embeddings=_bool(d, "tie_word_embeddings", source, fam.tie),
-            max_position_embeddings=_int(d, "max_position_embeddings", source, fam.max_positions),
+            tie_word_embeddings=read_bool(d, "tie_word_embeddings", source, fam.tie),
+            max_position_embeddings=read_int(d, "max_position_embeddings", source, fam.max_positions),
             sliding_window=window,
             layer_types=layer_types,
             dtype=_dtype(d, dtype),
@@ -330,7 +330,7 @@ def architecture_for(cfg: DecoderConfig) -> str:
     return _families().for_config(cfg).architecture
 
 
-def _rope_entry(theta: float, scaling: dict | None) -> dict:
+def rope_entry(theta: float, scaling: dict | None) -> dict:
     return {"rope_type": "default", "rope_theta": theta} if scaling is None else {**scaling, "rope_theta": theta}
 
 
@@ -352,7 +352,7 @@ def _written(cfg: DecoderConfig, fam, arch: str) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": theta,  # transformers 4.x reads this ...
-        "rope_parameters": _rope_entry(theta, cfg.rope_scaling),  # ... and 5.x this
+        "rope_parameters": rope_entry(theta, cfg.rope_scaling),  # ... and 5.x this
         "rope_scaling": None,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_dropout": 0.0,

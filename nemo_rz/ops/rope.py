@@ -109,7 +109,8 @@ def rope_table(head_dim: int, theta: float, length: int, device, scaling: RopeSc
     return _table(head_dim, float(theta), scaling, length, str(device))
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation of each position, [N, 1, head_dim] twice: compute once per forward, pass to every `rope`."""
     n_pos = int(positions.max()) + 1 if positions.numel() else 1
     cos2, sin2 = rope_table(head_dim, theta, n_pos, positions.device, scaling)

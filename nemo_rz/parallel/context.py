@@ -54,7 +54,7 @@ shard's roots, step 1's attention through `ring_attention` and step s's through 
 step's queries only (the branch, the root's steps 2..s, is rank-local). Every root's states and loss term are the
 bits one process computes, and the loss adds the terms in row order, so it is too; the draft's parameter
 gradients (`reduce_gradients`) equal one process's within float32 rounding. DraftHead.training_loss of the
-sequences padded into a [B, T] batch runs the same layers and `_draft_attention` on one rank (the batch's rows
+sequences padded into a [B, T] batch runs the same layers and `draft_attention` on one rank (the batch's rows
 as a packed row): every root's states are the same bits, and the losses agree within float32 rounding (they
 add the terms in other orders).
 """
@@ -212,7 +212,7 @@ def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: t
         final = shard.gather(final, group)  # root t's step s learns the target's distribution at token t + s
     ahead = lambda s: input_ids[(at + s).clamp(max=total - 1)]  # token t + s (clamped past the row's end)
     reads = [torch.where(at + s < seq_end, ahead(s), 0)[shard.index] for s in range(1, steps + 1)]
-    attend = functools.partial(_draft_attention, shard=shard, group=group)
+    attend = functools.partial(draft_attention, shard=shard, group=group)
     metrics, terms = {}, []
     for s, x in draft.run_steps(target, draft.fc(aux), reads, shard.positions, attend):
         labels = draft.draft_ids(ahead(s + 1))
@@ -238,7 +238,7 @@ def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: t
     return part, loss, metrics
 
 
-def _draft_attention(q, keys, values, scale, shard: ZigzagShard, group):
+def draft_attention(q, keys, values, scale, shard: ZigzagShard, group):
     """DraftHead._layer's attention for a shard's roots: step 1 through the ring; step s > 1 as the only query
     step (the last) of a branch of s - 1 steps."""
     if len(keys) == 1:

@@ -44,10 +44,12 @@ def _quantized(child: nn.Module, name: str, precision: Precision) -> nn.Module |
     """The quantized replacement of a selected layer (None: not a layer the recipe runs)."""
     if isinstance(child, Linear):
         widths = {name: child.weight.shape[1]}
-        make = lambda: QuantizedLinear(child.weight, child.bias, precision)
+        def make():
+            return QuantizedLinear(child.weight, child.bias, precision)
     elif type(child) in FAMILIES:
         widths = {f"{name}.{w}": in_features(child, w) for w in WEIGHTS}
-        make = lambda: QuantizedExperts(child, precision)
+        def make():
+            return QuantizedExperts(child, precision)
     else:
         return None
     block = BLOCK_COLS.get(precision.recipe)

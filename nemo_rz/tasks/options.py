@@ -1,7 +1,8 @@
 """task.options, typed: each option's type comes from its task function's signature, its range from @limits.
 
 check(name, fn, options) returns the options with their declared types (an int given for a float becomes a
-float), after the task's own @checked_by check of them together (if any), or raises OptionError, one line naming task.options.KEY, the value and what is valid. The config is
+float), after the task's own @checked_by check of them together (if any), or raises OptionError, one line naming
+task.options.KEY, the value and what is valid. The config is
 checked with it (nemo_rz.schema) before any work, and make_task checks again for direct callers. A plugin task
 gets the same checks from its own annotations (int, float, bool, str, X | None, list[...]) and, optionally,
 @limits(...) ranges; an option without an annotation is checked against its default's type when that is a

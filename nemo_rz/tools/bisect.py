@@ -17,8 +17,18 @@ import torch
 
 from nemo_rz import ops
 from nemo_rz.errors import ArgumentParser
-from nemo_rz.tools.common import (SEED_MAX, check_range, fail, forward_bytes_per_token, human_bytes, usable_memory,
-                                  kv_bytes_per_token, load_model, random_prompts, traced_bytes_per_token)
+from nemo_rz.tools.common import (
+    SEED_MAX,
+    check_range,
+    fail,
+    forward_bytes_per_token,
+    human_bytes,
+    kv_bytes_per_token,
+    load_model,
+    random_prompts,
+    traced_bytes_per_token,
+    usable_memory,
+)
 
 TRACED = ("embedding", "linear", "rms_norm", "rope", "silu_and_mul", "attention", "log_softmax", "token_logprobs")
 
@@ -88,7 +98,7 @@ def bisect(model, sequence: list[int], prompt_len: int, batch: list[list[int]], 
         ids[i, : len(s)] = torch.tensor(s)
     learner: list = []
     with traced(model, learner, force_fast):
-        model.hidden(model._dense(ids))
+        model.hidden(model.tokens(ids))
     cache = model.new_cache(1, len(sequence) + 1)
     # The prompt is prefilled in one step, then each later token is decoded alone, as the engine does.
     steps = [(0, prompt_len)] + [(p, p + 1) for p in range(prompt_len, len(sequence))]
@@ -104,7 +114,8 @@ def bisect(model, sequence: list[int], prompt_len: int, batch: list[list[int]], 
                 rows = (out != ref).reshape(end - start, -1).any(-1)
                 first = int(rows.nonzero()[0])
                 d = (out[first].float() - ref[first].float()).abs()
-                return Divergence(start + first, call, module, op, tuple(out.shape[1:]), int((out[first] != ref[first]).sum()), float(d.max())), compared
+                return Divergence(start + first, call, module, op, tuple(out.shape[1:]), int((out[first] != ref[first]).sum()),
+                                  float(d.max())), compared
     return None, compared
 
 

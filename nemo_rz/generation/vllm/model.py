@@ -30,9 +30,9 @@ from vllm.model_executor.layers.attention import Attention
 
 from nemo_rz import ops
 from nemo_rz.generation.vllm.attention import NemoRZAttentionBackend, PagedKVCache
+from nemo_rz.models import families
 from nemo_rz.models.config import DTYPES
 from nemo_rz.models.decoder import Decoder, Tokens
-from nemo_rz.models import families
 from nemo_rz.models.hf import CONFIG_FILE, config_from_hf
 from nemo_rz.quant.apply import apply_precision
 

@@ -14,7 +14,7 @@ import re
 import torch
 
 from nemo_rz.models.config import DecoderConfig
-from nemo_rz.models.hf_config import ModelFileError, _float, _int  # noqa: F401  (re-exported for family modules)
+from nemo_rz.models.hf_config import ModelFileError, read_float, read_int  # noqa: F401  (re-exported for family modules)
 
 # llama.cpp's tensor names (GGUF) for nemo_rz's (Hugging Face) parameter names; {i} is the layer index
 GGUF_TENSORS = {

@@ -1,6 +1,6 @@
 """Gemma 3, text (Gemma3ForCausalLM): Gemma norms (1 + w) around both blocks, GELU-tanh MLP, scaled embeddings,
 qk-norm, sliding layers with their own RoPE theta."""
-from nemo_rz.models.families.base import Family, ModelFileError, _float, _int
+from nemo_rz.models.families.base import Family, ModelFileError, read_float, read_int
 
 
 class Gemma3(Family):
@@ -8,10 +8,10 @@ class Gemma3(Family):
         return cfg.norm == "gemma"
 
     def pattern(self, d, source):
-        return _int(d, "sliding_window_pattern", source, None) or _int(d, "_sliding_window_pattern", source, self.window_pattern)
+        return read_int(d, "sliding_window_pattern", source, None) or read_int(d, "_sliding_window_pattern", source, self.window_pattern)
 
     def family_keys(self, d, source):
-        from nemo_rz.models.hf_config import _refuse_set
+        from nemo_rz.models.hf_config import refuse_set
 
         act = d.get("hidden_activation", d.get("hidden_act")) or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
@@ -19,13 +19,13 @@ class Gemma3(Family):
                 f"hidden_activation={act!r} in {source} is not supported: Gemma 3 uses gelu_pytorch_tanh; fix config.json"
             )
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-            _refuse_set(d, source, key, "nemo_rz does not implement logit soft-capping")
-        _refuse_set(d, source, "use_bidirectional_attention", "nemo_rz's decoder is causal")
+            refuse_set(d, source, key, "nemo_rz does not implement logit soft-capping")
+        refuse_set(d, source, "use_bidirectional_attention", "nemo_rz's decoder is causal")
         return dict(norm="gemma", sandwich_norm=True, hidden_act="gelu_tanh", embed_scale=True,
-                    query_pre_attn_scalar=_float(d, "query_pre_attn_scalar", source, 256.0))
+                    query_pre_attn_scalar=read_float(d, "query_pre_attn_scalar", source, 256.0))
 
     def write(self, cfg, out, types, sliding) -> None:
-        from nemo_rz.models.hf_config import _rope_entry
+        from nemo_rz.models.hf_config import rope_entry
 
         theta = out["rope_theta"]
         for key in ("hidden_act", "rope_theta", "rope_scaling"):
@@ -35,8 +35,8 @@ class Gemma3(Family):
         out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
                    layer_types=types, sliding_window=cfg.sliding_window or self.default_window, final_logit_softcapping=None,
                    attn_logit_softcapping=None, use_bidirectional_attention=False,
-                   rope_parameters={"full_attention": _rope_entry(theta, cfg.rope_scaling),
-                                    "sliding_attention": _rope_entry(local, None if cfg.rope_local_theta is not None else cfg.rope_scaling)})
+                   rope_parameters={"full_attention": rope_entry(theta, cfg.rope_scaling),
+                                    "sliding_attention": rope_entry(local, None if cfg.rope_local_theta is not None else cfg.rope_scaling)})
 
     def gguf_config(self, get, layers):
         return dict(query_pre_attn_scalar=get("attention.key_length"))  # llama.cpp scales queries by head_dim

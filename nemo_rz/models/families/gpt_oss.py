@@ -3,7 +3,7 @@ router, clamped SwiGLU experts (gate and up interleaved), stored stacked in file
 import torch
 
 from nemo_rz import ops
-from nemo_rz.models.families.base import Family, ModelFileError, _float, _int
+from nemo_rz.models.families.base import Family, ModelFileError, read_float, read_int
 
 SWIGLU_ALPHA = 1.702
 
@@ -27,10 +27,10 @@ class GptOss(Family):
                 f"swiglu_alpha={alpha!r} in {source} is not supported: gpt-oss experts use {SWIGLU_ALPHA}; "
                 "use a gpt-oss checkpoint"
             )
-        out = dict(num_experts=_int(d, "num_local_experts", source, 128), moe_kind=self.moe_kind,
-                   num_experts_per_tok=_int(d, "num_experts_per_tok", source, 4),
-                   moe_intermediate_size=_int(d, "intermediate_size", source, 2880),
-                   swiglu_limit=_float(d, "swiglu_limit", source, 7.0))
+        out = dict(num_experts=read_int(d, "num_local_experts", source, 128), moe_kind=self.moe_kind,
+                   num_experts_per_tok=read_int(d, "num_experts_per_tok", source, 4),
+                   moe_intermediate_size=read_int(d, "intermediate_size", source, 2880),
+                   swiglu_limit=read_float(d, "swiglu_limit", source, 7.0))
         return out, list(range(layers))
 
     def write(self, cfg, out, types, sliding) -> None:

@@ -9,8 +9,7 @@ import re
 import torch
 
 from nemo_rz import ops
-from nemo_rz.models.families.base import Family, ModelFileError, _int
-from nemo_rz.models.families.qwen2 import write_qwen_windows
+from nemo_rz.models.families.base import Family, ModelFileError, read_int
 
 STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -75,18 +74,18 @@ class Qwen3Moe(Family):
         return bool(cfg.num_experts) and cfg.moe_kind == self.moe_kind
 
     def moe(self, d, source, layers):
-        from nemo_rz.models.hf_config import _bool
+        from nemo_rz.models.hf_config import read_bool
 
         experts = d.get("num_experts", d.get("num_local_experts"))  # the hub's name, and some saves' name
-        experts = _int({"num_experts": experts}, "num_experts", source, 128, minimum=0)
-        step = _int(d, "decoder_sparse_step", source, 1)
+        experts = read_int({"num_experts": experts}, "num_experts", source, 128, minimum=0)
+        step = read_int(d, "decoder_sparse_step", source, 1)
         dense = d.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
             raise ModelFileError(f"'mlp_only_layers' in {source} is {dense!r}: expected a list of layer indices; fix config.json")
         moe_layers = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
-        out = dict(num_experts=experts, moe_kind=self.moe_kind, num_experts_per_tok=_int(d, "num_experts_per_tok", source, 8),
-                   moe_intermediate_size=_int(d, "moe_intermediate_size", source, 768),
-                   norm_topk_prob=_bool(d, "norm_topk_prob", source, False))
+        out = dict(num_experts=experts, moe_kind=self.moe_kind, num_experts_per_tok=read_int(d, "num_experts_per_tok", source, 8),
+                   moe_intermediate_size=read_int(d, "moe_intermediate_size", source, 768),
+                   norm_topk_prob=read_bool(d, "norm_topk_prob", source, False))
         return out, moe_layers
 
     def write(self, cfg, out, types, sliding) -> None:

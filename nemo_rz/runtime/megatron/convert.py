@@ -11,6 +11,7 @@ import torch
 
 from nemo_rz.models.config import DecoderConfig
 
+
 def _qkv_groups(cfg: DecoderConfig) -> tuple[int, int]:
     return cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads * cfg.head_dim
 
