@@ -1,8 +1,8 @@
 """Rollout engine behaviour: seeds, continuous batching, stopping, weight updates, clear errors."""
 import pytest
 import torch
-
 from conftest import count_diff, tiny_model
+
 from nemo_rz.generation import RolloutEngine, SamplingParams
 
 MODEL = tiny_model(seed=1)
@@ -70,7 +70,8 @@ def test_bad_requests_get_clear_errors(prompts, params, message):
         RolloutEngine(MODEL).generate(prompts, params)
 
 
-@pytest.mark.parametrize("kwargs, message", [(dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=3, temperature=-1.0), "temperature")])
+@pytest.mark.parametrize("kwargs, message", [(dict(max_new_tokens=0), "max_new_tokens"),
+                                             (dict(max_new_tokens=3, temperature=-1.0), "temperature")])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)

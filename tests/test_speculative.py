@@ -4,8 +4,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import count_diff, tiny_model
+
 from nemo_rz import ops
 from nemo_rz.algorithms.draft import DraftTrainer
 from nemo_rz.generation import RolloutEngine, SamplingParams

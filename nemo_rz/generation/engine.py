@@ -244,25 +244,27 @@ class RolloutEngine:
         """One forward over all running requests: schedule -> forward -> score -> emit. Returns the requests
         that finished."""
         policy, model = self.policy, self.model
-        queries, batch, rows = self._schedule(running)
+        queries, batch, rows, temps = self._schedule(running)
         routed = recorded_routing(model) if model.config.num_experts else contextlib.nullcontext({})
         with routed as routing, policy.observe(model):
             hidden = model.step(batch[0], batch[1], batch[2], self._cache)
-        logp = self._score(queries, hidden, rows) if rows else None
+        logp = self._score(hidden, rows, temps) if rows else None
         emitted = policy.consume(queries, logp)
         # MoE models: the experts each MoE layer chose for the scored rows
         experts = torch.cat([log[0] for log in routing.values()], 1)[rows].to(torch.int16) if routing else None
         return self._emit(queries, emitted, logp, experts)
 
-    def _schedule(self, running: list[Request]) -> tuple[list[Query], torch.Tensor, list[int]]:
+    def _schedule(self, running: list[Request]) -> tuple[list[Query], torch.Tensor, list[int], list[float]]:
         """Each request's query (a decoding request feeds what the policy gives it, a prefilling one its next
-        prompt chunk); the batch [3, N] of token ids, positions and cache slots; the rows to score."""
+        prompt chunk); the batch [3, N] of token ids, positions and cache slots; the rows to score and their
+        temperatures (greedy: 1)."""
         decode_queries = iter(self.policy.query_tokens([req for req in running if req.tokens]))
         queries: list[Query] = []
         ids: list[int] = []
         pos: list[int] = []
         seq: list[int] = []
         rows: list[int] = []
+        temps: list[float] = []
         n_prefill = 0
         for req in running:
             start, first = req.computed, len(ids)
@@ -277,6 +279,7 @@ class RolloutEngine:
                 scored = int(start + n == len(req.prompt))  # the last row of the prompt's final chunk
             queries.append(Query(req, tokens, first, range(len(rows), len(rows) + scored)))
             rows += range(first + n - scored, first + n)
+            temps += [req.params.temperature or 1.0] * scored
             ids += tokens
             pos += range(start, start + n)
             seq += [req.slot] * n
@@ -284,13 +287,12 @@ class RolloutEngine:
         self.stats["prefill_tokens"] += n_prefill
         self.stats["decode_tokens"] += len(ids) - n_prefill
         self.stats["steps"] += 1
-        return queries, _longs(ids + pos + seq).view(3, -1), rows
+        return queries, _longs(ids + pos + seq).view(3, -1), rows, temps
 
-    def _score(self, queries: list[Query], hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Logprobs [len(rows), V] of the scored rows, each at its request's temperature (greedy: 1)."""
+    def _score(self, hidden: torch.Tensor, rows: list[int], temps: list[float]) -> torch.Tensor:
+        """Logprobs [len(rows), V] of the scored rows of the forward's `hidden`, each at its temperature."""
         if len(rows) < hidden.shape[0]:
             hidden = hidden.index_select(0, _longs(rows))
-        temps = [q.request.params.temperature or 1.0 for q in queries for _ in q.scored]
         temperature = temps[0] if len(set(temps)) == 1 else torch.tensor(temps, dtype=torch.float32)
         return ops.log_softmax(self.model.logits(hidden), temperature)
 
@@ -313,10 +315,11 @@ class RolloutEngine:
                 req.prompt_stored = True
             if experts is not None:
                 req.routing += experts[q.scored.start : q.scored.start + len(tokens)]
-            for token, logprob in zip(tokens, chosen[n : n + len(tokens)]):  # up to the first that finishes it
+            params = req.params
+            for i, token in enumerate(tokens, n):  # up to the first that finishes it
                 req.tokens.append(token)
-                req.logprobs.append(logprob)
-                if token in req.params.stop_token_ids or len(req.tokens) >= req.params.max_new_tokens:
+                req.logprobs.append(chosen[i])
+                if token in params.stop_token_ids or len(req.tokens) >= params.max_new_tokens:
                     finished.append(req)
                     break
             n += len(tokens)
