@@ -89,8 +89,9 @@ def _ops_step(inputs, lengths, scale):
     seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
     pos = torch.cat([torch.arange(n) for n in lengths])
     cu, length = _cu(lengths), max(lengths) + (-max(lengths)) % ops.KV_BLOCK
-    cache = lambda x: torch.stack([torch.nn.functional.pad(x[a:b], (0, 0, 0, 0, 0, length - (b - a))).transpose(0, 1)
-                                   for a, b in zip(cu, cu[1:])])
+    def cache(x):
+        return torch.stack([torch.nn.functional.pad(x[a:b], (0, 0, 0, 0, 0, length - (b - a))).transpose(0, 1)
+                            for a, b in zip(cu, cu[1:])])
     ops.attention(q, cache(k), cache(v), seq, pos, scale).sum().backward()
 
 

@@ -102,7 +102,8 @@ def train_offline(model, draft_trainer, data, updates, held=None, log=print):
 
 
 def table(rows: list[tuple], title: str) -> str:
-    out = [title, "", "| snapshot | batch | variant | accept | tokens/pass | tokens/s wall | tokens/s CPU | speed-up wall | speed-up CPU | diff |",
+    out = [title, "",
+           "| snapshot | batch | variant | accept | tokens/pass | tokens/s wall | tokens/s CPU | speed-up wall | speed-up CPU | diff |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     base = {}
     for snap, bs, name, r in rows:
@@ -117,7 +118,6 @@ def table(rows: list[tuple], title: str) -> str:
 
 
 def run_task(args) -> str:
-    from omegaconf import OmegaConf
 
     from nemo_rz import config
     from nemo_rz.models import Decoder
@@ -166,7 +166,7 @@ def run_task(args) -> str:
                 print(v, bs, name, {k: round(x, 3) for k, x in r.items()})
     est = [(m["update"], m.get("draft_accept_rate"), m.get("draft_loss")) for m in metrics if m["update"] % args.every == 0]
     lines = ["", "Per-update co-training numbers (estimated on the RL batch): update, acceptance, draft loss: "
-             + "; ".join(f"{u}: {a:.2f}, {l:.2f}" for u, a, l in est)]
+             + "; ".join(f"{u}: {a:.2f}, {n:.2f}" for u, a, n in est)]
     title = (f"### Speculative rollouts, default task ({datetime.date.today()}): tiny model, k={args.k}, "
              f"max_new_tokens={max_new}, {args.prompts} held-out prompts (batch 1: {max(args.prompts // 4, 4)})")
     return table(rows, title) + "\n".join(lines)

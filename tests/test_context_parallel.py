@@ -28,13 +28,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from conftest import tiny_model
+
 from nemo_rz import ops
 from nemo_rz.models.draft import DraftHead, aux_features
 from nemo_rz.parallel import context
-from nemo_rz.parallel.context import (ZigzagShard, branch_attention, cp_draft_loss, cp_token_logprobs, reduce_gradients,
-                                     ring_attention)
+from nemo_rz.parallel.context import ZigzagShard, branch_attention, cp_draft_loss, cp_token_logprobs, reduce_gradients, ring_attention
 from nemo_rz.parallel.tensor import gather_parts
 
 LENGTHS = (70, 150, 37, 200, 9)  # packed in one row; blocks of 32 keys: 3, 5, 2, 7, 1
@@ -53,7 +52,8 @@ def _inputs(lengths=LENGTHS, heads=HEADS, kv_heads=KV_HEADS, steps=STEPS):
     """q, k, v [N, H | Hkv, D] and the branch steps' q, k, v [J, N, H | Hkv, D] of a packed row."""
     g = torch.Generator().manual_seed(0)
     n = sum(lengths)
-    r = lambda *shape: torch.randn(*shape, generator=g)
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
     return (r(n, heads, DIM), r(n, kv_heads, DIM), r(n, kv_heads, DIM),
             r(steps, n, heads, DIM), r(steps, n, kv_heads, DIM), r(steps, n, kv_heads, DIM))
 
@@ -75,10 +75,12 @@ def _reference(q, k, v, qb, kb, vb, lengths=LENGTHS):
     query at position p + j of its own sequence [main keys 0..p, branch keys 1..J at p]."""
     cu, (seq, pos) = _cu(lengths), _seq_pos(lengths)
     steps, heads = qb.shape[0], q.shape[1]
-    split = lambda x: [x[a:b] for a, b in zip(cu, cu[1:])]
+    def split(x):
+        return [x[a:b] for a, b in zip(cu, cu[1:])]
     main = ops.attention(q, _cache(split(k)), _cache(split(v)), seq, pos, SCALE)
     n = q.shape[0]
-    own = lambda x, b: [torch.cat([x[cu[s] : cu[s] + p + 1], b[:, t]]) for t, (s, p) in enumerate(zip(seq.tolist(), pos.tolist()))]
+    def own(x, b):
+        return [torch.cat([x[cu[s] : cu[s] + p + 1], b[:, t]]) for t, (s, p) in enumerate(zip(seq.tolist(), pos.tolist()))]
     step = torch.arange(1, steps + 1).repeat_interleave(n)
     branch = ops.attention(qb.reshape(-1, heads, DIM), _cache(own(k, kb)), _cache(own(v, vb)), torch.arange(n).repeat(steps),
                            pos.repeat(steps) + step, SCALE)
@@ -456,7 +458,8 @@ def test_draft_loss_one_process_equals_training_loss(distill, monkeypatch):
     draft.zero_grad()
     lengths = torch.tensor(LENGTHS)
     dense_mask = _padded(mask, max(LENGTHS) - 1) & (torch.arange(max(LENGTHS) - 1) < lengths[:, None] - 1)
-    flat = lambda x: _padded(x).flatten(0, 1)
+    def flat(x):
+        return _padded(x).flatten(0, 1)
     ref, ref_metrics = draft.training_loss(target, flat(aux), _padded(ids), dense_mask, DRAFT_STEPS, DRAFT_TEMPERATURE,
                                            final=flat(final) if distill else None)
     ref.backward()
@@ -478,7 +481,8 @@ def _dense_softmax(q, keys, values, scale, shard, group):
     entries 0..t and its own entries of steps 2..s) for a shard of equal-length sequences on one rank."""
     n, heads, dim = q.shape
     length = shard.cu_seqlens[1]
-    split = lambda t: t.view(-1, length, t.shape[1], dim).transpose(1, 2).repeat_interleave(heads // t.shape[1], 1)
+    def split(t):
+        return t.view(-1, length, t.shape[1], dim).transpose(1, 2).repeat_interleave(heads // t.shape[1], 1)
     qs = split(q)
     main = (qs @ split(keys[0]).transpose(-1, -2) * scale).masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(),
                                                                        float("-inf"))
@@ -506,7 +510,8 @@ def test_draft_dense_batch_is_the_packed_rows_bits(monkeypatch):
         return out
 
     packed = states(lambda: cp_draft_loss(draft, target, aux, final, ids, mask, _cu(), DRAFT_STEPS, DRAFT_TEMPERATURE))
-    batch = lambda: list(draft.branches(target, _padded(aux).flatten(0, 1), _padded(ids), DRAFT_STEPS))
+    def batch():
+        return list(draft.branches(target, _padded(aux).flatten(0, 1), _padded(ids), DRAFT_STEPS))
     rows = torch.cat([s * max(LENGTHS) + torch.arange(n) for s, n in enumerate(LENGTHS)])  # the row's tokens in the batch
     dense = states(batch)
     assert len(dense) == len(packed) == DRAFT_STEPS

@@ -2,8 +2,8 @@
 policy, weights shipped with each version, saved drafts checked against their target."""
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from nemo_rz import ops
 from nemo_rz.algorithms import group_advantages
 from nemo_rz.algorithms.draft import DraftTrainer, summary
@@ -254,5 +254,6 @@ def test_a_co_trained_run_logs_the_engine_counts_and_resumes_bit_exactly(tmp_pat
     part_w = load_file(checkpoint.latest(part / "checkpoints") / "model.safetensors")
     assert "draft.vocab" in full_w and full_w["draft.vocab"].tolist() != list(range(8))  # chosen from the first batch
     assert full_w.keys() == part_w.keys() and all(torch.equal(full_w[k], part_w[k]) for k in full_w)
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
     assert strip(_metrics(part)) == strip(rows)

@@ -38,11 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from nemo_rz import ops
-from nemo_rz.ops import weight_cache
 from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.decoder import Decoder, KVCache, Tokens
 from nemo_rz.models.layers import Block, Linear, RMSNorm
-
+from nemo_rz.ops import weight_cache
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -175,7 +174,8 @@ class DraftHead(nn.Module):
         would redo that copy (of the whole head, with the full vocabulary) every draft step."""
         head = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
         vocab = self.vocab
-        rows = lambda: head.detach() if self.full_vocab else head.detach().index_select(0, vocab)
+        def rows():
+            return head.detach() if self.full_vocab else head.detach().index_select(0, vocab)
         return weight_cache.derived(head, "draft.head", rows, weight_cache.key(vocab))
 
     def logits(self, target: Decoder, g: torch.Tensor) -> torch.Tensor:
@@ -191,7 +191,8 @@ class DraftHead(nn.Module):
         c = self.config
         max_len += (-max_len) % ops.KV_BLOCK
         shape = (num_seqs, c.num_kv_heads, max_len, c.head_dim)
-        make = lambda: [torch.zeros(shape, dtype=c.torch_dtype) for _ in self.layers]
+        def make():
+            return [torch.zeros(shape, dtype=c.torch_dtype) for _ in self.layers]
         return KVCache(make(), make())
 
     def step(self, target: Decoder, feature: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,

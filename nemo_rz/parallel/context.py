@@ -69,8 +69,18 @@ import torch.nn.functional as F
 
 from nemo_rz import ops
 from nemo_rz.models.decoder import Decoder, Tokens
-from nemo_rz.ops.attention import (_EXP_FLOOR, KV_BLOCK, merge_partials, row_max, tile_bmm, tile_output, tile_partials,
-                                   tile_scores, tile_weights, with_ones)
+from nemo_rz.ops.attention import (
+    _EXP_FLOOR,
+    KV_BLOCK,
+    merge_partials,
+    row_max,
+    tile_bmm,
+    tile_output,
+    tile_partials,
+    tile_scores,
+    tile_weights,
+    with_ones,
+)
 from nemo_rz.ops.attention_plan import tile_rows
 from nemo_rz.parallel.tensor import gather_parts, tree_sum
 
@@ -161,7 +171,8 @@ def cp_token_logprobs(model: Decoder, input_ids: torch.Tensor, cu_seqlens, group
                          f"[cu_seqlens[-1]] = [{cu[-1]}]")
     world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
     shard = ZigzagShard(cu, world, rank)
-    attend = lambda q, k, v, scale: ring_attention(q, k, v, shard, scale, group)
+    def attend(q, k, v, scale):
+        return ring_attention(q, k, v, shard, scale, group)
     hidden = model.hidden(Tokens(input_ids[shard.index], shard.positions, shard.seq_idx, attend=attend))
     lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
     scored = (shard.positions < lengths[shard.seq_idx] - 1).nonzero().squeeze(1)  # tokens with a next token
@@ -210,7 +221,8 @@ def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: t
     at = torch.arange(total)
     if final is not None:
         final = shard.gather(final, group)  # root t's step s learns the target's distribution at token t + s
-    ahead = lambda s: input_ids[(at + s).clamp(max=total - 1)]  # token t + s (clamped past the row's end)
+    def ahead(s):  # token t + s (clamped past the row's end)
+        return input_ids[(at + s).clamp(max=total - 1)]
     reads = [torch.where(at + s < seq_end, ahead(s), 0)[shard.index] for s in range(1, steps + 1)]
     attend = functools.partial(draft_attention, shard=shard, group=group)
     metrics, terms = {}, []
@@ -234,7 +246,7 @@ def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: t
     # Every rank runs backward through every step's attention (the ring's backward is collective): zeros of
     # the last step's states join the part, whether or not this rank has a trained token.
     part = (sum(t for t, _ in terms) + 0.0 * x.sum()) / len(terms)
-    loss = sum(l for _, l in terms) / len(terms)
+    loss = sum(term for _, term in terms) / len(terms)
     return part, loss, metrics
 
 
@@ -398,7 +410,8 @@ class _Plan:
         off = torch.arange(KV_BLOCK)
         parts = []
         if self.first == 0:  # main tails: (block a, kv head h, tile t); rows of step 0 are contiguous in the group
-            a, h, t = (x.reshape(-1) for x in torch.meshgrid(torch.arange(nbl), torch.arange(H), torch.arange(KV_BLOCK * g // R), indexing="ij"))
+            grid = torch.meshgrid(torch.arange(nbl), torch.arange(H), torch.arange(KV_BLOCK * g // R), indexing="ij")
+            a, h, t = (x.reshape(-1) for x in grid)
             within = t[:, None] * R + torch.arange(R)  # (offset, head in group) index within step 0 of the group
             rows = self._row(a, h, 0, 0, 0)[:, None] + within
             keys = self._pool(0, a[:, None], off, h[:, None])
