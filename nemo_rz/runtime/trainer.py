@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from nemo_rz import ops
 from nemo_rz.algorithms import group_advantages
@@ -51,23 +50,22 @@ class Trainer:
     def __init__(self, cfg, run_dir: Path, resume: Path | None = None, log=print):
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
         runlock.lock(self.run_dir)  # before anything in it is read or written
-        self.generation_backend = OmegaConf.select(cfg, "generation.backend", default="builtin")  # older runs lack it
+        self.generation_backend = cfg.generation.backend
         _check_generation_backend(self.generation_backend)
         torch.set_num_threads(cfg.runtime.learner_threads)
         ops.set_mode(cfg.kernels)
         torch.manual_seed(cfg.seed)
         self.task = make_task(cfg.task.name, tokenizer=self._tokenizer_spec(), **dict(cfg.task.options),
-                              chat_template=OmegaConf.select(cfg, "task.chat_template", default="auto"),
-                              system_prompt=OmegaConf.select(cfg, "task.system_prompt", default=None))
+                              chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt)
         self.tok = self.task.tokenizer
         # Low-precision linears: the rollout workers apply the same recipe to the same master weights.
-        self.precision = Precision.of(OmegaConf.select(cfg, "precision", default=None))
-        if self.precision.enabled and OmegaConf.select(cfg, "runtime.learner", default="builtin") != "builtin":
+        self.precision = Precision.of(cfg.precision)
+        if self.precision.enabled and cfg.runtime.learner != "builtin":
             raise ValueError(f"precision.recipe={self.precision.recipe} needs runtime.learner=builtin: another learner "
                              "runs linears of its own, which the rollout engines would not match")
         self.model = apply_precision(self._build_model(), self.precision)
         a = cfg.algo
-        if OmegaConf.select(cfg, "runtime.learner", default="builtin") == "megatron":
+        if cfg.runtime.learner == "megatron":
             from nemo_rz.runtime.megatron.learner import from_config  # imports megatron-core
 
             self.learner = from_config(cfg, self.model)  # self.model then mirrors its weights (held-out eval)
@@ -96,9 +94,8 @@ class Trainer:
 
     # -- set-up ------------------------------------------------------------------------------------
     def _tokenizer_spec(self):
-        """model.tokenizer: null = the checkpoint's own (model.hf_path) or the character tokenizer; char; a path.
-        Runs saved before the key existed used the character tokenizer."""
-        spec = OmegaConf.select(self.cfg, "model.tokenizer", default="char")
+        """model.tokenizer: null = the checkpoint's own (model.hf_path) or the character tokenizer; char; a path."""
+        spec = self.cfg.model.tokenizer
         return spec if spec is not None else (self.cfg.model.hf_path or "char")
 
     def _build_model(self) -> Decoder:
@@ -111,26 +108,23 @@ class Trainer:
                 raise ValueError(f"model.hf_path {m.hf_path}: vocab_size {model.config.vocab_size} "
                                  f"is smaller than the task tokenizer's {self.tok.vocab_size}")
             return model
-        def key(name, default):  # runs saved before the key
-            return OmegaConf.select(self.cfg, f"model.{name}", default=default)
-
-        window, pattern = key("sliding_window", None), key("sliding_window_pattern", None)
+        window, pattern = m.sliding_window, m.sliding_window_pattern
         cfg = DecoderConfig(
             vocab_size=self.tok.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
             num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm,
             max_position_embeddings=m.max_position_embeddings, sliding_window=window,
             layer_types=None if window is None or pattern is None else
             ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(m.num_layers)],
-            attention_sinks=key("attention_sinks", False), num_experts=key("num_experts", 0),
-            num_experts_per_tok=key("num_experts_per_tok", 2), moe_intermediate_size=key("moe_intermediate_size", None),
+            attention_sinks=m.attention_sinks, num_experts=m.num_experts,
+            num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
         )
         return Decoder(cfg)
 
     def _build_draft(self) -> DraftTrainer | None:
         """draft.mode=cotrain: a fresh draft trained on each RL batch's features; frozen: a saved one, only
         evaluated; both ship with every weight version. Older runs lack the keys: no draft."""
-        d = OmegaConf.select(self.cfg, "draft", default=None)
-        mode = (d.mode or "off") if d is not None else "off"
+        d = self.cfg.draft
+        mode = d.mode or "off"
         if mode == "off":
             return None
         if self.generation_backend != "builtin":
@@ -143,7 +137,7 @@ class Trainer:
         if d.checkpoint is not None:  # frozen, or co-training that starts from a saved draft
             head = load_draft(d.checkpoint, self.model)
         else:
-            head = DraftHead(self.model.config, d.aux_layers, d.num_layers, OmegaConf.select(d, "vocab_size"))
+            head = DraftHead(self.model.config, d.aux_layers, d.num_layers, d.vocab_size)
         trainer = DraftTrainer(head, mode, d.lr, d.loss_weight, d.steps, d.k, self.cfg.algo.grad_clip,
                                fresh=d.checkpoint is None)
         self.learner.add_aux_loss(trainer)
