@@ -151,17 +151,21 @@ class Trainer:
             raise self._diverged(e, "warmup.lr", w.lr) from None
 
     # -- rollouts ----------------------------------------------------------------------------------
+    def _draw(self, u: int) -> tuple[list, int]:
+        """Batch u's problems, each repeated for its group, and its sampling seed: both depend only on (seed, u),
+        so the job sent out and the answers its completions are scored against come from this one draw."""
+        a, key = self.cfg.algo, self.cfg.seed * 1_000_003 + u
+        problems = self.task.sample(a.prompts_per_update, random.Random(key))
+        return [p for p in problems for _ in range(a.group_size)], key * 65_536
+
     def job(self, u: int) -> Job:
         a = self.cfg.algo
-        rng = random.Random(self.cfg.seed * 1_000_003 + u)
-        problems = self.task.sample(a.prompts_per_update, rng)
-        prompts = [self.task.encode_prompt(p.prompt) for p in problems for _ in range(a.group_size)]
-        return Job(u, max(0, u - a.max_lag), prompts, a.max_new_tokens, a.temperature,
-                   seed=(self.cfg.seed * 1_000_003 + u) * 65_536, stop_token_ids=self.tok.eos_ids)
+        problems, seed = self._draw(u)
+        return Job(u, max(0, u - a.max_lag), [self.task.encode_prompt(p.prompt) for p in problems], a.max_new_tokens,
+                   a.temperature, seed=seed, stop_token_ids=self.tok.eos_ids)
 
     def answers(self, u: int) -> list[str]:
-        rng = random.Random(self.cfg.seed * 1_000_003 + u)
-        return [p.answer for p in self.task.sample(self.cfg.algo.prompts_per_update, rng) for _ in range(self.cfg.algo.group_size)]
+        return [p.answer for p in self._draw(u)[0]]
 
     def _make_backend(self) -> RuntimeBackendProtocol:
         r, a = self.cfg.runtime, self.cfg.algo
