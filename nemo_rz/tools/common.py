@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from nemo_rz import schema
 from nemo_rz.models import Decoder, DecoderConfig
 
 SEED_MAX = 2**32 - 1
@@ -49,32 +50,10 @@ def check_range(option: str, value: int, lo: int, hi: int, why: str = "") -> Non
 
 
 def available_memory() -> int:
-    """Bytes of memory this process can still use: /proc/meminfo's MemAvailable (else the physical memory),
-    lowered to what a cgroup memory limit leaves."""
-    avail = None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    if avail is None:
-        try:
-            avail = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            avail = 1 << 62  # unknown: no bound from the machine
-    try:
-        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
-            used = int(f.read().strip())
-        if limit != "max":
-            avail = min(avail, max(0, int(limit) - used))
-    except (OSError, ValueError):
-        pass
-    return avail
+    """Bytes of memory this process can still use (nemo_rz.schema.available_memory: MemAvailable, lowered to a
+    cgroup limit); no bound where the machine does not say."""
+    found = schema.available_memory()
+    return found if found is not None else 1 << 62
 
 
 def usable_memory() -> int:
