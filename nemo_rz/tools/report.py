@@ -136,9 +136,19 @@ def _start_pass_at_1(run_dir: Path, warn) -> float | None:
     return start
 
 
-def _save(fig, path: Path) -> None:
+def _save(plt, fig, path: Path) -> Path:
     """fig as PNG at `path`, written beside it and renamed into place (an existing regular file is replaced only
-    when the new one is complete; anything else at `path` is refused)."""
+    when the new one is complete; anything else at `path` is refused), then closed; a failure is one ValueError."""
+    try:
+        _write_png(fig, path)
+    except OSError as e:
+        raise ValueError(f"cannot write {path}: {e.strerror or e}; check the folder is writable and has space") from None
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _write_png(fig, path: Path) -> None:
     problem = regular_file_problem(str(path))
     if problem:
         raise ValueError(f"cannot write {path} ({problem}); move it away and rerun")
@@ -207,14 +217,7 @@ def write_plots(run_dir: Path, warn=None) -> list[Path]:
     ax.set_title("kernel mismatch tokens (0 = bit-identical)")
     ax.set_xlabel("update")
     fig.tight_layout()
-    path = out_dir / "training.png"
-    try:
-        _save(fig, path)
-    except OSError as e:
-        raise ValueError(f"cannot write {path}: {e.strerror or e}; check the folder is writable and has space") from None
-    finally:
-        plt.close(fig)
-    paths = [path]
+    paths = [_save(plt, fig, out_dir / "training.png")]
     if any("draft_loss" in r for r in rows):
         paths.append(_draft_plots(plt, rows, out_dir))
     return paths
@@ -241,14 +244,7 @@ def _draft_plots(plt, rows: list[dict], out_dir: Path) -> Path:
         ax.set_title(title)
         ax.set_xlabel("update")
     fig.tight_layout()
-    path = out_dir / "speculative.png"
-    try:
-        _save(fig, path)
-    except OSError as e:
-        raise ValueError(f"cannot write {path}: {e.strerror or e}; check the folder is writable and has space") from None
-    finally:
-        plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir / "speculative.png")
 
 
 # every key a panel plots: row_problem checks each one a row has is a finite number
