@@ -312,7 +312,8 @@ def compile_only(archs):
     from triton.compiler import ASTSource
 
     import_kernels()
-    mod = {m: importlib.import_module(f"nemo_rz.kernels.{m}") for m in ("matmul", "rmsnorm", "activation", "logprobs", "attention", "moe")}
+    mod = {m: importlib.import_module(f"nemo_rz.kernels.{m}")
+           for m in ("matmul", "rmsnorm", "activation", "logprobs", "causal_attention", "moe")}
 
     def sig(spec, **const):
         return {k: ("constexpr" if k in const else v) for k, v in spec.items()}, const
@@ -351,13 +352,13 @@ def compile_only(archs):
                 HAS_BIAS=True, IEEE=dt == "fp32", BLOCK_M=ecfg.block_m, BLOCK_N=ecfg.block_n, BLOCK_K=ecfg.block_k),
                 dict(num_warps=ecfg.num_warps, num_stages=ecfg.num_stages)))
             for paged in (False, True):
-                jobs.append((mod["attention"]._attention_kernel, *sig(
+                jobs.append((mod["causal_attention"]._attention_kernel, *sig(
                     dict(q_ptr=p, k_ptr=p, v_ptr=p, o_ptr=p, seq_ptr="*i64", pos_ptr="*i64", start_ptr="*i64",
                          bt_ptr="*i32", sink_ptr=p, scale="fp32", stride_qt="i32", stride_qh="i32", bt_stride="i32",
                          cache_stride0="i32", cache_stride1="i32", H="", D="", GROUP="", HAS_WINDOW="", PAGED="",
                          PAGE_SIZE="", HAS_SINKS="", G_PAD="", BLOCK_D="", KV_BLOCK="", IEEE=""),
                     H=32, D=128, GROUP=4, HAS_WINDOW=paged, PAGED=paged, PAGE_SIZE=16, HAS_SINKS=paged, G_PAD=16, BLOCK_D=128,
-                    KV_BLOCK=mod["attention"].KV_BLOCK, IEEE=dt == "fp32"), dict(num_warps=4, num_stages=2)))
+                    KV_BLOCK=mod["causal_attention"].KV_BLOCK, IEEE=dt == "fp32"), dict(num_warps=4, num_stages=2)))
             for fn, signature, const, opts in jobs:
                 t = time.perf_counter()
                 k = triton.compile(ASTSource(fn, signature, const), target=GPUTarget("cuda", arch, 32), options=opts)

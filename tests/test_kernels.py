@@ -404,7 +404,7 @@ def test_attention_head_dim_not_power_of_two():
 
 def test_attention_control_kv_block_differs(prefill):
     # The decode==prefill check can fail: a decode kernel with another KV split size gives other bits.
-    from nemo_rz.kernels.attention import KV_BLOCK, _attention
+    from nemo_rz.kernels.causal_attention import KV_BLOCK, _attention
 
     k, v, q, seq, pos, out = prefill
     idx = torch.tensor([30, 44, 100, 134])  # positions >= 16: more than one block of 16

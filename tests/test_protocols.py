@@ -72,7 +72,7 @@ def test_negative_controls_a_missing_or_renamed_member_is_found():
         def generate(self, prompt_ids, params, progress=None):
             pass
 
-        def update_weights(self, state_dict, version):
+        def update_weights(self, state_dict, version, parts=None):
             pass
 
     class ExtraRequired:

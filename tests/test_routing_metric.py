@@ -16,6 +16,7 @@ from nemo_rz.generation.packing import pack
 from nemo_rz.metrics import routing_diff_tokens
 from nemo_rz.runtime.jobs import decode_completions, encode_completions
 from nemo_rz.runtime.learner import Learner
+from nemo_rz.runtime.weights import WeightsBundle
 
 MOE = dict(num_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_layers=[0, 2])
 
@@ -40,7 +41,7 @@ def _rollout(model, kernels: str):
 def _decompose(model, completions):
     learner = Learner(model, lr=1e-3, grad_clip=1.0, temperature=1.0, loss="reinforce_zero", correction="unclipped",
                       correction_params={})
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = WeightsBundle(0, {k: v.clone() for k, v in model.state_dict().items()})
     return learner.decompose(pack(decode_completions(encode_completions(completions))), weights)
 
 
