@@ -210,13 +210,18 @@ def test_sigterm_on_the_ray_backend_stops_the_private_loopback_cluster(tmp_path)
     except BaseException:
         _kill_all(proc, pids)
         raise
-    _, err, survivors = _terminate(proc, pids)
-    assert proc.returncode == EXIT_TERMINATED, err
-    assert err == f"terminated; resume with resume={run_dir}\n", err
-    assert survivors == [], [(p, _cmdline(p)[:2]) for p in survivors]
+    _stopped_cleanly(proc, pids, run_dir)  # no rank, no rollout worker, no actor left
     assert not temp.exists()
     assert checkpoint.load_latest(run_dir / "checkpoints") is not None
 
+
+
+def _stopped_cleanly(proc, pids, run_dir) -> None:
+    """SIGTERM the trainer: exit 143, the one resume line, and no process of the run left."""
+    _, err, survivors = _terminate(proc, pids)
+    assert proc.returncode == EXIT_TERMINATED, err
+    assert err == f"terminated; resume with resume={run_dir}\n", err
+    assert survivors == [], [(p, _cmdline(p)[:3]) for p in survivors]
 
 @pytest.mark.slow
 def test_sigterm_on_the_megatron_launcher_stops_every_rank(tmp_path):
@@ -235,9 +240,6 @@ def test_sigterm_on_the_megatron_launcher_stops_every_rank(tmp_path):
     except BaseException:
         _kill_all(proc, pids)
         raise
-    _, err, survivors = _terminate(proc, pids)
-    assert proc.returncode == EXIT_TERMINATED, err
-    assert err == f"terminated; resume with resume={run_dir}\n", err
-    assert survivors == [], [(p, _cmdline(p)[:3]) for p in survivors]  # no rank, no rollout worker
+    _stopped_cleanly(proc, pids, run_dir)  # no rank, no rollout worker, no actor left
     assert not any(s.exists() for s in stores)
     assert checkpoint.load_latest(run_dir / "checkpoints") is not None
