@@ -70,7 +70,7 @@ def _worker(rank, world, port, batch, length, repeat, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         inputs = _setup(batch, length)
-        with ops.mode("consistent"):
+        with ops.use_kernels("consistent"):
             result = _timed(lambda: _cp_step(*inputs), repeat, dist.barrier)
         Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     finally:
@@ -88,7 +88,7 @@ def main() -> None:
                  f"1 sequence and {STEPS + 2} tokens")
     torch.set_num_threads(1)
     inputs = _setup(args.batch, args.length)
-    with ops.mode("consistent"):
+    with ops.use_kernels("consistent"):
         rows = {"DraftHead.training_loss, dense batch, 1 process": _timed(lambda: _dense_step(*inputs), args.repeat),
                 "cp_draft_loss, packed row, 1 process": _timed(lambda: _cp_step(*inputs), args.repeat)}
     with tempfile.TemporaryDirectory() as out, socket.socket() as s:

@@ -62,7 +62,7 @@ def main() -> None:
             write_checkpoint(config_cls, settings, path)
             for mode in ("consistent", "fast"):
                 out = Path(root) / f"{config_cls}-{mode}.json"
-                subprocess.run([sys.executable, "-m", "nemo_rz.tools.check_mismatch", "--model", str(path), "--mode", mode,
+                subprocess.run([sys.executable, "-m", "nemo_rz.tools.check_mismatch", "--model", str(path), "--kernels", mode,
                                 "--batch-sizes", *map(str, args.batch_sizes), "--max-new-tokens", str(args.max_new_tokens),
                                 "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
                 rows = json.loads(out.read_text())["rows"]

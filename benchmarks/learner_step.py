@@ -28,7 +28,7 @@ MODES = ("consistent", "fast")
 
 def step(model, ids: torch.Tensor, mode: str) -> tuple[float, float]:
     """(forward, backward) process CPU seconds of one learner step."""
-    with ops.mode(mode):
+    with ops.use_kernels(mode):
         model.zero_grad(set_to_none=True)
         c0 = time.process_time()
         lp = model.token_logprobs(ids)

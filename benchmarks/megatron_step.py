@@ -31,7 +31,7 @@ MODES = ("consistent", "fast")
 
 
 def step(model, ids: torch.Tensor, mode: str) -> tuple[float, torch.Tensor]:
-    with ops.mode(mode):
+    with ops.use_kernels(mode):
         model.zero_grad(set_to_none=True)
         torch.distributed.barrier()
         t0 = time.perf_counter()
@@ -59,13 +59,13 @@ def main() -> None:
     ids = torch.randint(0, decoder.config.vocab_size, (args.batch, args.length), generator=torch.Generator().manual_seed(args.seed))
     variants = {}
     for mode in MODES:
-        with ops.mode(mode):
+        with ops.use_kernels(mode):
             policy = MegatronPolicy(decoder.config)
         policy.load_state_dict(decoder.state_dict())
         variants[f"megatron tp={args.tp} {mode}"] = (policy.train(), mode)
         if args.tp == 1:
             variants[f"built-in {mode}"] = (decoder.train(), mode)
-    with ops.mode("consistent"), torch.no_grad():
+    with ops.use_kernels("consistent"), torch.no_grad():
         reference = decoder.token_logprobs(ids)
     if lead:
         print(f"date {datetime.date.today()}  torch {torch.__version__}  threads {torch.get_num_threads()} x {args.tp} process(es)")

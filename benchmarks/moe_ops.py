@@ -68,15 +68,15 @@ def main(argv=None):
         with torch.no_grad():
             times = {"consistent": [], "fast": []}
             for name in times:  # warm-up: probes, weight copies
-                with ops.mode(name):
+                with ops.use_kernels(name):
                     call()
             for _ in range(args.repeats):
                 for name in times:
-                    with ops.mode(name):
+                    with ops.use_kernels(name):
                         times[name].append(cpu_ms(call))
             differing = {}
             for name in times:
-                with ops.mode(name):
+                with ops.use_kernels(name):
                     batch = call()
                     alone = torch.cat([moe_layer(hidden[t : t + 1], logits[t : t + 1], gate_up_t, down_t, args.top_k)
                                        for t in range(n)])

@@ -87,7 +87,7 @@ def throughput(model, prompts, reps: int) -> dict[str, dict[str, float]]:
         for recipe, m in models.items():
             for mode in ("consistent", "fast")[:: 1 if rep % 2 == 0 else -1]:
                 engine = RolloutEngine(m, max_batch_size=len(prompts))
-                with ops.mode(mode):
+                with ops.use_kernels(mode):
                     c0 = time.process_time()
                     outs = engine.generate(prompts, SamplingParams(6, temperature=1.0, seed=rep))
                     dt = time.process_time() - c0

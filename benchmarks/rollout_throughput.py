@@ -44,7 +44,7 @@ def run_engine(engine: RolloutEngine, prompts: list[list[int]], budgets: list[in
     """(generated tokens, wall seconds, process CPU seconds) of one generate call; request i generates
     exactly budgets[i] tokens."""
     params = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=seed + i) for i, n in enumerate(budgets)]
-    with ops.mode(mode):
+    with ops.use_kernels(mode):
         t0, c0 = time.perf_counter(), time.process_time()
         outs = engine.generate(prompts, params)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
@@ -108,7 +108,7 @@ def main() -> None:
           f"temperature 1, reps {args.reps}")
     if hf is not None:
         probe = torch.randint(0, vocab, (2, args.prompt_len), generator=torch.Generator().manual_seed(args.seed + 1))
-        with torch.no_grad(), ops.mode("fast"):
+        with torch.no_grad(), ops.use_kernels("fast"):
             diff = (hf(probe).logits.float() - ours(probe)).abs().max().item()
         print(f"same weights: max |logits(transformers) - logits(nemo-rz, fast)| = {diff:.2e}")
 

@@ -92,7 +92,7 @@ def make(variant: str, path: str, batch: int, max_len: int):
     from nemo_rz.generation import RolloutEngine
     from nemo_rz.models.hf import load_hf
 
-    ops.set_mode("consistent")
+    ops.set_kernels("consistent")
     return Ours(RolloutEngine(load_hf(path), max_batch_size=batch, max_model_len=max_len, prefix_cache_blocks=0))
 
 

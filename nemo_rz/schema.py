@@ -4,7 +4,7 @@ validate(cfg) checks a merged config before any work and returns it resolved (in
 given for floats made floats); the first bad key raises ConfigError naming the key, its value and what is
 valid, in a fraction of a second: nothing here imports torch. Losses, corrections and tasks are the names
 registered through nemo_rz.plugins (package metadata only, read after the plain checks, so a plugin's name
-validates); the small fixed sets that code also checks (kernel modes, dtypes) are written out here, and
+validates); the small fixed sets that code also checks (kernel sets, dtypes) are written out here, and
 tests/test_config.py checks them against the code's own tuples.
 
 Then check_sizes() holds every size against what the model (heads, KV heads, MLP features, positions), the
@@ -132,14 +132,14 @@ def Str(**kw) -> Key:
     return Key("str", **kw)
 
 
-KERNEL_MODES = ("consistent", "fast")  # nemo_rz.ops.MODES
+KERNEL_SETS = ("consistent", "fast")  # nemo_rz.ops.KERNELS
 PRECISION_RECIPES = ("none", "bf16", "fp8_current", "fp8_block", "mxfp8", "mxfp4", "nvfp4")  # nemo_rz.quant.linear.PRECISIONS
 
 SCHEMA: dict[str, Key] = {
     "seed": Int(0, MAX_SEED, fixed=True),
     "run_dir": Str(optional=True, null_means="for runs/<task>-<timestamp>"),
     "resume": Str(optional=True, null_means="for a new run"),
-    "kernels": Choice(KERNEL_MODES),
+    "kernels": Choice(KERNEL_SETS),
     "progress": Bool(),
     "model.hf_path": Str(optional=True, null_means="for a fresh model", fixed=True),
     "model.tokenizer": Str(optional=True, null_means="for the checkpoint's own (hf_path) or the character one", fixed=True),
@@ -178,7 +178,7 @@ SCHEMA: dict[str, Key] = {
     "runtime.rollout_workers": Int(1),
     "runtime.worker_threads": Int(1),
     "runtime.learner_threads": Int(1),
-    "runtime.rollout_kernels": Choice(KERNEL_MODES, optional=True, null_means="for the same as kernels"),
+    "runtime.rollout_kernels": Choice(KERNEL_SETS, optional=True, null_means="for the same as kernels"),
     "runtime.rollout_dtype": Choice(("float32", "bfloat16")),  # nemo_rz.models.config.DTYPES
     "runtime.crash_worker_at_batch": Int(-1, why="-1 = never"),
     "runtime.worker_heartbeat_s": Positive(why="seconds a rollout worker may stay silent before it is restarted"),

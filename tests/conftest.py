@@ -36,7 +36,7 @@ def count_diff(model, completions, temperature: float = 1.0) -> tuple[int, int]:
 
 @pytest.fixture(autouse=True)
 def _consistent_mode():
-    with ops.mode("consistent"):
+    with ops.use_kernels("consistent"):
         yield
 
 

@@ -1,5 +1,5 @@
 """One rank of the multi-process Megatron checks in test_megatron.py (started by launch.start, 2 ranks):
-TP=2 logprobs in both kernel modes, then a DP=2 learner update; rank 0 saves what it got to argv[1]."""
+TP=2 logprobs in both kernel sets, then a DP=2 learner update; rank 0 saves what it got to argv[1]."""
 import sys
 
 import torch
@@ -41,13 +41,13 @@ def main(out: str) -> None:
     got = {}
     distributed.init(2, 1, 1)
     for mode in ("consistent", "fast"):
-        with ops.mode(mode):
+        with ops.use_kernels(mode):
             policy = MegatronPolicy(model.config)
             policy.load_state_dict(model.state_dict())
             got[f"tp2_{mode}"] = policy.token_logprobs(ids, lengths).detach()
             got[f"tp2_{mode}_weights"] = policy.state_dict()
     distributed.init(1, 1, 2)
-    with ops.mode("consistent"):
+    with ops.use_kernels("consistent"):
         if torch.distributed.get_rank():
             MegatronLearner.follow()
         else:

@@ -40,7 +40,7 @@ def test_written_out_value_sets_match_the_code():
     def choices(key):
         return tuple(schema.SCHEMA[key]._choices())
 
-    assert choices("kernels") == choices("runtime.rollout_kernels") == tuple(ops.MODES)
+    assert choices("kernels") == choices("runtime.rollout_kernels") == tuple(ops.KERNELS)
     assert choices("algo.loss") == LOSSES
     assert choices("algo.correction") == tuple(CORRECTIONS)
     assert choices("runtime.rollout_dtype") == tuple(DTYPES)

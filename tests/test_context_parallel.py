@@ -122,7 +122,7 @@ def test_one_process_equals_ops_attention():
     assert torch.equal(main, ref_main) and torch.equal(branch, ref_branch)
     assert torch.equal(ring_attention(*inputs[:3], shard, SCALE), ref_main)
     # Negative control: the library's standard kernels (fast mode) give other bits.
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         fast_main, fast_branch = _reference(*inputs)
     assert not torch.equal(fast_main, main) and not torch.equal(fast_branch, branch)
     # Gradients: exact for the forward's arithmetic; the library backward of ops.attention sums the same
@@ -325,7 +325,7 @@ def test_decoder_one_process_equals_token_logprobs():
     ref = _dense_logprobs(model, ids)
     assert torch.equal(shard.index, torch.arange(sum(LENGTHS))) and torch.equal(lp, ref)
     # Negative control: the same model with the library's kernels gives other bits.
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         assert not torch.equal(_dense_logprobs(model, ids), lp)
     # Gradients: the ring's attention backward sums the library backward's terms in other orders.
     model.zero_grad()

@@ -86,7 +86,7 @@ def test_training_time_test_is_the_inference_bits():
         branch = dict(draft.branches(MODEL, aux, ids, 3))
         for root in (0, 5, 29, 30, 31, 32, 44):
             assert all(torch.equal(got, branch[s][0, root]) for s, got in enumerate(engine(root), 1)), root
-        with ops.mode("fast"):
+        with ops.use_kernels("fast"):
             fast = engine(30)
     assert not all(torch.equal(got, branch[s][0, 30]) for s, got in enumerate(fast, 1))
 

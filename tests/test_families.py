@@ -99,7 +99,7 @@ def _reference(path, ids) -> torch.Tensor:
 
 
 def _diff(model: Decoder, ids, expected, mode: str = "consistent") -> float:
-    with ops.mode(mode), torch.no_grad():
+    with ops.use_kernels(mode), torch.no_grad():
         return (model(ids) - expected).abs().max().item()
 
 
@@ -291,7 +291,7 @@ def test_bf16_moe_model_matches_its_learner():
     model = _engine_model("gpt-oss-like", dtype="bfloat16")
     prompts = _prompts(3, 12, 4 * WINDOW)
     assert count_diff(model, _generate(model, prompts, 7, 5))[0] == 0
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         assert count_diff(model, _generate(model, prompts, 7, 5))[0] > 0
 
 
@@ -300,7 +300,7 @@ def test_fast_mode_differs(kind):
     """Negative control: with library kernels the rollout's logprobs differ from the learner's somewhere."""
     model = _engine_model(kind)
     prompts = _prompts(5, 24, 4 * WINDOW, WINDOW)
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         outs = _generate(model, prompts, 12, 7)
         assert count_diff(model, outs)[0] > 0
 
@@ -365,7 +365,7 @@ def _routing_diff(kind: str, mode: str) -> int:
     """Tokens of any MoE layer whose experts differ between the learner's batch and the rollout's steps."""
     model = _tie_prone(_engine_model(kind))
     ids = torch.randint(0, 48, (6, 3 * WINDOW), generator=torch.Generator().manual_seed(8))
-    with ops.mode(mode):
+    with ops.use_kernels(mode):
         learner = _learner_routing(model, ids)
         rollout = _rollout_routing(model, ids, [1, 5, 2, 9])
     assert learner.keys() == rollout.keys()

@@ -62,7 +62,7 @@ def _hf_logits(model, ids) -> torch.Tensor:
 
 
 def _nemo_logits(model: Decoder, ids, mode: str) -> torch.Tensor:
-    with ops.mode(mode), torch.no_grad():
+    with ops.use_kernels(mode), torch.no_grad():
         return model(ids).float()
 
 
@@ -90,7 +90,7 @@ def test_load_matches_transformers(kind, tmp_path):
     ids = _ids(1, length=24)
     expected = _hf_logits(ref, ids)
     assert expected.std() > 0.5  # logits far from zero, so 1e-4 is a real bound
-    for mode in ops.MODES:
+    for mode in ops.KERNELS:
         got = _nemo_logits(model, ids, mode)
         assert (got - expected).abs().max().item() < TOL, (kind, mode)
 

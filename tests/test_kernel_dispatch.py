@@ -23,7 +23,7 @@ pytestmark = pytest.mark.kernels
 # importlib: the package re-exports functions under the same names as these modules
 OP_MODULES = [importlib.import_module(f"nemo_rz.ops.{m}")
               for m in ("linear", "norm", "activation", "logprobs", "attention", "moe")]
-consistent = importlib.import_module("nemo_rz.ops.mode").consistent
+consistent = importlib.import_module("nemo_rz.ops.kernel_set").consistent
 
 
 @pytest.fixture

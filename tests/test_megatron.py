@@ -51,7 +51,7 @@ def ranks(tmp_path_factory):
 
 
 def policy(model, mode: str) -> MegatronPolicy:
-    with ops.mode(mode):
+    with ops.use_kernels(mode):
         p = MegatronPolicy(model.config)
     p.load_state_dict(model.state_dict())
     return p
@@ -69,7 +69,7 @@ def test_tp1_logprobs_equal_the_builtin_decoder_bit_for_bit(family):
     want = model.token_logprobs(ids, lengths)
     got = policy(model, "consistent").token_logprobs(ids, lengths)
     assert torch.equal(got, want)
-    with ops.mode("fast"):  # negative control: Megatron's own layers
+    with ops.use_kernels("fast"):  # negative control: Megatron's own layers
         fast = policy(model, "fast").token_logprobs(ids, lengths)
     assert not torch.equal(fast, want) and torch.allclose(fast, want, atol=1e-4)
 
@@ -124,7 +124,7 @@ def test_tp2_logprobs_equal_tp1_and_the_decoder_bit_for_bit(ranks):
     assert torch.equal(ranks["tp2_consistent"], want)
     assert all(torch.equal(ranks["tp2_consistent_weights"][k], v) for k, v in model.state_dict().items())
     # negative control: Megatron's row-parallel layers all-reduce partial sums, which round differently
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         fast_tp1 = policy(model, "fast").token_logprobs(ids, lengths)
     assert not torch.equal(ranks["tp2_fast"], fast_tp1) and torch.allclose(ranks["tp2_fast"], fast_tp1, atol=1e-4)
 

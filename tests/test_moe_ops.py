@@ -35,7 +35,7 @@ def rel_err(out, ref):
 
 @pytest.fixture(autouse=True)
 def _consistent():
-    with ops.mode("consistent"):
+    with ops.use_kernels("consistent"):
         yield
 
 
@@ -79,7 +79,7 @@ def test_route_topk_tie_rule_on_many_ties_and_fast_control():
     assert experts.tolist() == expect
     assert torch.equal(values, scores.gather(1, experts))
     assert invariant(lambda s: ops.route_topk(s, 8)[1], (scores,))
-    with ops.mode("fast"):  # torch.topk leaves ties unspecified: here it picks higher indices for some rows
+    with ops.use_kernels("fast"):  # torch.topk leaves ties unspecified: here it picks higher indices for some rows
         assert ops.route_topk(scores, 8)[1].tolist() != expect
 
 
@@ -131,7 +131,7 @@ def test_expert_linear_row_ignores_its_experts_load_and_fast_control():
         return bad
 
     assert alone_vs_batch() == 0
-    with ops.mode("fast"):  # one library product per expert on exactly its rows: blocking follows the load
+    with ops.use_kernels("fast"):  # one library product per expert on exactly its rows: blocking follows the load
         assert alone_vs_batch() > 0
         assert not invariant(lambda xs, es: ops.expert_linear(xs, es, w, b), (x, spread))
 
@@ -144,7 +144,7 @@ def test_expert_linear_gradients():
     grads = []
     for name in ("consistent", "fast"):
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
-        with ops.mode(name):
+        with ops.use_kernels(name):
             (ops.expert_linear(leaves[0], experts, leaves[1], leaves[2]) * grad).sum().backward()
         grads.append([t.grad for t in leaves])
     for got, expect in zip(*grads):
@@ -186,7 +186,7 @@ def test_moe_combine_matches_float64_is_invariant_and_adds_in_expert_order():
     perm = torch.tensor([2, 0, 3, 1])
     shuffled = lambda: combine(y[:, perm], w[:, perm], e[:, perm])  # noqa: E731
     assert torch.equal(shuffled(), combine(y, w, e))
-    with ops.mode("fast"):  # a library sum in slot order
+    with ops.use_kernels("fast"):  # a library sum in slot order
         assert not torch.equal(shuffled(), combine(y, w, e))
     bf = combine(y.bfloat16(), w, e)
     assert bf.dtype == torch.bfloat16 and rel_err(bf, ref) < 1e-2
@@ -216,7 +216,7 @@ def test_moe_layer_token_is_the_same_bits_in_any_batch_and_fast_control():
 
     assert invariant(layer, (hidden,))
     assert torch.equal(torch.cat([layer(hidden[i : i + 1]) for i in range(64)]), layer(hidden))
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         assert not invariant(layer, (hidden,))
 
 
@@ -246,7 +246,7 @@ def test_activation_matches_float64_is_invariant_and_fast_control(name):
     g, u = (torch.randn(64, 100, generator=gen(s)) * 5 for s in (18, 19))  # beyond the clamp limit too
     assert rel_err(fn(g, u), ref(g, u)) < 1e-6
     assert invariant(fn, (g, u))
-    with ops.mode("fast"):  # library element-wise kernels: bits depend on where a row falls in the SIMD loop
+    with ops.use_kernels("fast"):  # library element-wise kernels: bits depend on where a row falls in the SIMD loop
         assert rel_err(fn(g, u), ref(g, u)) < 1e-6
         assert not invariant(fn, (g, u))
     # Interleaved halves of a fused projection (gpt-oss's gate_up) and bfloat16.
@@ -305,7 +305,7 @@ def test_attention_sinks_match_reference_and_decode_equals_prefill(window):
         assert torch.equal(alone[0], prefill[i])
     for idx in batches(3 * LENGTH, seed=23):
         assert torch.equal(ops.attention(q[idx], k, v, seq[idx], pos[idx], scale, window, sinks=sinks), prefill[idx])
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         fast = ops.attention(q, k, v, seq, pos, scale, window, sinks=sinks)
         assert (fast.double() - ref).abs().max() < 1e-5
         decode = torch.cat([ops.attention(q[i : i + 1], k, v, seq[i : i + 1], pos[i : i + 1], scale, window, sinks=sinks)
@@ -321,7 +321,7 @@ def test_attention_sink_gradients_match_reference(name):
     sinks = sinks.clone().requires_grad_()
     qd, sd = q.double().requires_grad_(), sinks.detach().double().requires_grad_()
     qf = q.clone().requires_grad_()
-    with ops.mode(name):
+    with ops.use_kernels(name):
         (ops.attention(qf, k, v, seq, pos, DIM ** -0.5, 9, sinks=sinks) * grad).sum().backward()
     (sink_reference(qd, k, v, sd, seq, pos, 9) * grad.double()).sum().backward()
     assert (sinks.grad.double() - sd.grad).abs().max() < 1e-5 and float(sinks.grad.abs().sum()) > 0
@@ -336,7 +336,7 @@ def test_one_plan_serves_layers_with_different_windows():
     shared = ops.AttentionPlan(seq, pos, HEADS, KV_HEADS)
     per_window = {w: ops.AttentionPlan(seq, pos, HEADS, KV_HEADS, w) for w in (None, 9)}
     for name in ("consistent", "fast"):
-        with ops.mode(name):
+        with ops.use_kernels(name):
             expect = {w: ops.attention(q, k, v, seq, pos, scale, w) for w in (None, 9)}
             for _layer in range(2):  # alternating sliding and full layers, as gpt-oss
                 for w in (9, None):

@@ -54,7 +54,7 @@ def test_op_is_row_invariant(name):
 
 
 def test_fast_linear_is_not_row_invariant():
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         assert not _rows_invariant(OPS["linear"][0], X, [2, 3, 7, 31, 32, 33, 64, 100, 130])
 
 
@@ -121,7 +121,7 @@ def test_fast_attention_decode_differs_from_prefill():
     scale = q.shape[-1] ** -0.5
     seq = torch.zeros(70, dtype=torch.long)
     pos = torch.arange(70)
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         prefill = ops.attention(q[0], k, v, seq, pos, scale)
         decode = torch.cat([ops.attention(q[0, i : i + 1], k, v, seq[:1], pos[i : i + 1], scale) for i in range(70)])
     assert not torch.equal(prefill, decode)
@@ -148,15 +148,15 @@ def test_paged_cache_equals_contiguous():
     )
 
 
-def test_mode_switch_and_errors():
-    assert ops.get_mode() == "consistent"
-    with ops.mode("fast"):
-        assert ops.get_mode() == "fast"
-    assert ops.get_mode() == "consistent"
-    with pytest.raises(ValueError, match="unknown kernel mode 'exact'"):
-        ops.set_mode("exact")
+def test_kernel_set_switch_and_errors():
+    assert ops.get_kernels() == "consistent"
+    with ops.use_kernels("fast"):
+        assert ops.get_kernels() == "fast"
+    assert ops.get_kernels() == "consistent"
+    with pytest.raises(ValueError, match="unknown kernel set 'exact'"):
+        ops.set_kernels("exact")
     env = dict(os.environ, NEMO_RZ_KERNELS="fast")
-    out = subprocess.run([sys.executable, "-c", "import nemo_rz.ops as o; print(o.get_mode())"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", "import nemo_rz.ops as o; print(o.get_kernels())"], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "fast"
 
 

@@ -58,7 +58,7 @@ def test_every_recipe_has_zero_mismatch_on_the_builtin_engine(recipe, batch):
 @pytest.mark.parametrize("recipe", QUANTIZED)
 def test_fast_kernels_differ_for_every_recipe(recipe):
     """Negative control: the same rollouts with library kernels (decode rows one at a time) differ."""
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         outs = _rollout(_model(recipe), 1, n=4)
         assert count_diff(_model(recipe), outs)[0] > 0
 
@@ -116,7 +116,7 @@ def test_moe_models_have_zero_mismatch_at_every_recipe(kind, recipe):
 def test_moe_negative_controls(kind):
     """Fast kernels, and a learner whose experts are not quantized, both disagree with the engine."""
     model = _moe(kind, "nvfp4")
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         assert count_diff(model, _rollout(model, 1, n=4))[0] > 0
     outs = _rollout(model, 7, n=12)
     attention_only = apply_precision(tiny_model(moe_kind=kind, **MOE), {"recipe": "nvfp4", "modules": "attention"})

@@ -44,5 +44,5 @@ def test_the_experts_really_run_quantized(served):
     outs = engine.generate(prompts(8, 3), SamplingParams(max_new_tokens=12, seed=3))
     assert count_diff(learner, outs)[0] == 0
     assert count_diff(_model("attention"), outs)[0] > 0
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         assert count_diff(learner, outs)[0] > 0

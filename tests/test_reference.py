@@ -32,7 +32,7 @@ def _reference(trainer: Trainer, start: dict, kernels: str) -> tuple[Decoder, di
     job = trainer.job(0)
     assert [trainer.task.encode_prompt(p.prompt) for p in problems for _ in range(a.group_size)] == job.prompts
     params = SamplingParams(a.max_new_tokens, a.temperature, job.seed, job.stop_token_ids)
-    with ops.mode(kernels):
+    with ops.use_kernels(kernels):
         metrics = reinforce_zero_step(model, optimizer, engine, trainer.task, problems, a.group_size, params,
                                       grad_clip=a.grad_clip, correction=a.correction, **dict(a.correction_params))
     return model, metrics

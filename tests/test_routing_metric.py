@@ -34,7 +34,7 @@ def _near_tied(model):
 
 def _rollout(model, kernels: str):
     prompts = [torch.randint(0, 48, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 17, 30) * 4]
-    with ops.mode(kernels):
+    with ops.use_kernels(kernels):
         return RolloutEngine(model, max_batch_size=16, prefill_chunk=7).generate(prompts, SamplingParams(max_new_tokens=8, seed=1))
 
 

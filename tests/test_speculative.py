@@ -63,7 +63,7 @@ def test_logprobs_equal_the_learners_and_greedy_tokens_equal_plain_decoding(draf
     if temperature == 0:
         return
     # Negative control: the same speculative rollout on the library kernels differs from the learner's bits.
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         fast = _speculative(draft, max_batch_size=3, prefill_chunk=8).generate(PROMPTS, params)
     assert count_diff(MODEL, fast, temperature or 1.0)[0] > 0
 

@@ -176,7 +176,7 @@ def test_zero_mismatch_chat_prompts_shared_system_prompt(tok, tmp_path):
     assert len({len(p) for p in prompts}) >= 4                             # mixed lengths
     model = tiny_model(vocab_size=tok.vocab_size)
     for mode, expect_zero in (("consistent", True), ("fast", False)):
-        with ops.mode(mode):
+        with ops.use_kernels(mode):
             engine = RolloutEngine(model, max_batch_size=5, max_model_len=task.validate() + 24)
             outs = engine.generate(prompts, SamplingParams(max_new_tokens=24, temperature=1.0, seed=11,
                                                            stop_token_ids=tok.eos_ids))

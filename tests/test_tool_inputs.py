@@ -123,7 +123,7 @@ BISECT = {
     "not an int": (["--batch", "x"], "argument --batch: invalid int value: 'x'"),
     "unknown op": (["--force-fast", "softmax"], "--force-fast 'softmax' is not an op"),
     "unknown option": (["--frobnicate"], "unrecognized arguments: --frobnicate"),
-    "bad mode": (["--mode", "quick"], "argument --mode: invalid choice: 'quick'"),
+    "bad kernel set": (["--kernels", "quick"], "argument --kernels: invalid choice: 'quick'"),
 }
 
 

@@ -12,7 +12,7 @@ def test_check_mismatch_reports_zero_in_consistent_mode_and_differences_in_fast(
     rows = json.loads(out.read_text())["rows"]
     assert [r["diff_tokens"] for r in rows] == [0, 0] and all(r["tokens"] > 0 for r in rows)
     assert "differ" in capsys.readouterr().out
-    check_mismatch.main(["--batch-sizes", "8", "--max-new-tokens", "12", "--mode", "fast", "--out", str(out)])
+    check_mismatch.main(["--batch-sizes", "8", "--max-new-tokens", "12", "--kernels", "fast", "--out", str(out)])
     assert json.loads(out.read_text())["rows"][0]["diff_tokens"] > 0
 
 

@@ -79,7 +79,7 @@ def test_linear_rows_are_invariant_for_every_row_count(k, n):
     x = torch.randn(300, k)
     with torch.no_grad():
         assert _rows_equal_everywhere(lambda r: ops.linear(r, weight), x, range(1, 301)) == []
-        with ops.mode("fast"):
+        with ops.use_kernels("fast"):
             assert _rows_equal_everywhere(lambda r: ops.linear(r, weight), x, range(1, 301)) != []
 
 
@@ -114,7 +114,7 @@ def test_learner_gradients_repeat_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     # The library backward computes the same gradient as autograd through the plain library forward.
     model.zero_grad(set_to_none=True)
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         model.token_logprobs(ids).sum().backward()
     for a, p in zip(first, model.parameters()):
         assert (a - p.grad).abs().max() <= 1e-5 * p.grad.abs().max()

@@ -63,7 +63,7 @@ def test_a_ring_too_short_for_the_chunk_loses_keys_the_window_sees():
 
 def test_fast_kernels_differ_with_rings():
     model = _engine_model("gemma-like")
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         engine = RolloutEngine(model, max_batch_size=16, max_model_len=256, prefill_chunk=5)
         outs = engine.generate(_prompts(16, seed=6), PARAMS)
     assert [k.shape[2] for k in engine._cache.k] == [32, 256, 32]

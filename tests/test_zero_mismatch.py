@@ -45,7 +45,7 @@ def test_engine_matches_learner_any_batch(n, max_batch, max_len, chunk, seed):
 
 def test_fast_mode_finds_differences():
     prompts = _prompts(7, 48, 30)
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         _, outs = _run(prompts, max_batch_size=16, prefill_chunk=8)
         diff, total = count_diff(MODEL, outs)
     assert diff > 0, "negative control: library kernels should differ between rollout and learner"
@@ -89,7 +89,7 @@ def test_prefix_cache_hit_equals_miss():
 def test_prefix_cache_hit_differs_in_fast_mode():
     """Negative control for the cache test: with library kernels, logprobs after a hit differ from the learner's."""
     prompts = [torch.randint(0, 48, (48,), generator=torch.Generator().manual_seed(5)).tolist()] * 8
-    with ops.mode("fast"):
+    with ops.use_kernels("fast"):
         engine = RolloutEngine(MODEL)
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=1, seed=0))
         warm = engine.generate(prompts, SamplingParams(max_new_tokens=6, seed=1))

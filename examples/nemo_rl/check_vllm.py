@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
     learner = load_hf(args.checkpoint, dtype=args.dtype)
     learned, recorded = [], []
-    with ops.mode(generation["vllm_kwargs"]["hf_overrides"]["nemo_rz_kernels"]), torch.no_grad():
+    with ops.use_kernels(generation["vllm_kwargs"]["hf_overrides"]["nemo_rz_kernels"]), torch.no_grad():
         for prompt, out in zip(prompts, outs):
             tokens = list(out.outputs[0].token_ids)
             recorded.append(torch.tensor([d[t].logprob for t, d in zip(tokens, out.outputs[0].logprobs)]))

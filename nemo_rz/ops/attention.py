@@ -40,7 +40,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nemo_rz.ops.attention_plan import ATTN_TILE_ROWS, KV_BLOCK, AttentionPlan, Padded, Tiled, ones_columns
 from nemo_rz.ops.dispatch import by_recomputing, kernel_op, on_gpu_kernels
-from nemo_rz.ops.mode import consistent
+from nemo_rz.ops.kernel_set import consistent
 from nemo_rz.ops.tiles import TILE_ROWS
 from nemo_rz.ops.verified import one_thread
 

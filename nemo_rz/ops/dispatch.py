@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from nemo_rz.ops.mode import consistent
+from nemo_rz.ops.kernel_set import consistent
 
 # backward(grad, needs, *inputs) -> one gradient (or None) per input; needs[i]: does input i want one.
 Backward = Callable[..., Sequence[torch.Tensor | None]]

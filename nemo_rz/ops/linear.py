@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from nemo_rz.ops.dispatch import compute_dtype, kernel_op, on_gpu_kernels
 from nemo_rz.ops.gemm import linear_rows
-from nemo_rz.ops.mode import consistent
+from nemo_rz.ops.kernel_set import consistent
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_rz.ops.dispatch import by_recomputing, kernel_op, on_gpu_kernels
-from nemo_rz.ops.mode import consistent
+from nemo_rz.ops.kernel_set import consistent
 from nemo_rz.ops.tiles import TILE_ROWS, from_tiles, row_sum, to_tiles
 from nemo_rz.ops.verified import by_rows, rowwise_route
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from nemo_rz.ops.dispatch import compute_dtype, on_gpu_kernels
-from nemo_rz.ops.mode import consistent
+from nemo_rz.ops.kernel_set import consistent
 from nemo_rz.ops.tiles import from_tiles, row_sum, tiled_matmul, to_tiles
 from nemo_rz.ops.verified import by_rows, matmul_route, rowwise_route
 from nemo_rz.ops.weight_cache import derived

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from nemo_rz.ops.dispatch import by_recomputing, compute_dtype, kernel_op, on_gpu_kernels
-from nemo_rz.ops.mode import consistent
+from nemo_rz.ops.kernel_set import consistent
 from nemo_rz.ops.tiles import from_tiles, row_sum, to_tiles
 from nemo_rz.ops.verified import by_rows, rowwise_route
 

@@ -53,7 +53,7 @@ class Trainer:
         self.generation_backend = cfg.generation.backend
         _check_generation_backend(self.generation_backend)
         torch.set_num_threads(cfg.runtime.learner_threads)
-        ops.set_mode(cfg.kernels)
+        ops.set_kernels(cfg.kernels)
         torch.manual_seed(cfg.seed)
         self.task = make_task(cfg.task.name, tokenizer=self._tokenizer_spec(), **dict(cfg.task.options),
                               chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt)

@@ -27,7 +27,7 @@ class RolloutWorker:
                  generation_backend: str = "builtin", temperature: float = 1.0, precision: dict | None = None,
                  draft: dict | None = None):
         torch.set_num_threads(threads)
-        ops.set_mode(kernels)
+        ops.set_kernels(kernels)
         cfg = DecoderConfig.from_dict({**model_config, "dtype": dtype})
         self.dtype = cfg.torch_dtype
         self.loaded: int | None = None  # the engine starts with random weights, not version 0

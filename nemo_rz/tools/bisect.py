@@ -1,6 +1,6 @@
 """Find the first op whose rollout and learner outputs differ bitwise.
 
-    python -m nemo_rz.tools.bisect [--model HF_DIR] [--mode consistent|fast] [--force-fast OP ...]
+    python -m nemo_rz.tools.bisect [--model HF_DIR] [--kernels consistent|fast] [--force-fast OP ...]
 
 Runs the engine's decode path (prefill the prompt, then one token per step against the KV cache) and the
 learner's training forward (the whole batch at once) on the same tokens, with a hook on every call of every
@@ -67,7 +67,7 @@ def traced(model, records: list, force_fast=()):
 
     def wrap(name, fn):
         def call(*args, **kwargs):
-            with ops.mode("fast") if name in force_fast else contextlib.nullcontext():
+            with ops.use_kernels("fast") if name in force_fast else contextlib.nullcontext():
                 out = fn(*args, **kwargs)
             records.append((stack[-1], name, out.detach()))
             return out
@@ -144,7 +144,7 @@ def check_sizes(model, prompt_len: int, new_tokens: int, batch: int) -> None:
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m nemo_rz.tools.bisect", description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="Hugging Face checkpoint directory or .gguf file (default: a tiny random model)")
-    ap.add_argument("--mode", choices=ops.MODES, default=ops.get_mode())
+    ap.add_argument("--kernels", choices=ops.KERNELS, default=ops.get_kernels())
     ap.add_argument("--force-fast", nargs="*", default=[], metavar="OP", help=f"ops to run in fast mode: {', '.join(TRACED)}")
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=16)
@@ -174,12 +174,12 @@ def main(argv=None) -> int:
     sequence = random_prompts(1, vocab, total, total, args.seed)[0]
     batch = random_prompts(args.batch, vocab, 2, min(total + 4, model.config.max_position_embeddings), args.seed + 1)
     try:
-        with ops.mode(args.mode):
+        with ops.use_kernels(args.kernels):
             found, compared = bisect(model, sequence, args.prompt_len, batch, args.force_fast)
     except ValueError as e:
         fail(str(e))
     forced = f", forced fast: {', '.join(args.force_fast)}" if args.force_fast else ""
-    print(f"mode={args.mode}{forced}: compared {compared} op outputs over {args.new_tokens} decoded positions")
+    print(f"kernels={args.kernels}{forced}: compared {compared} op outputs over {args.new_tokens} decoded positions")
     print(found if found else "no op differs: decode path and learner forward agree bit for bit")
     return 1 if found else 0
 

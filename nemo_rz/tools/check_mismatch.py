@@ -1,6 +1,6 @@
 """Compare the rollout engine's recorded logprobs with the learner's, token by token.
 
-    python -m nemo_rz.tools.check_mismatch [--model HF_DIR] [--batch-sizes 1 8 32] [--mode consistent|fast]
+    python -m nemo_rz.tools.check_mismatch [--model HF_DIR] [--batch-sizes 1 8 32] [--kernels consistent|fast]
 
 For each batch size, the engine generates that many completions together; the learner then scores all of
 them in one padded batch. Prints a table and writes JSON (--out).
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m nemo_rz.tools.check_mismatch", description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="Hugging Face checkpoint directory or .gguf file (default: a tiny random model)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--mode", choices=ops.MODES, default=ops.get_mode())
+    ap.add_argument("--kernels", choices=ops.KERNELS, default=ops.get_kernels())
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     ap.add_argument("--seed", type=int, default=0)
@@ -103,11 +103,11 @@ def main(argv=None) -> int:
         fail(str(e))
     check_sizes(model, args.batch_sizes, args.max_new_tokens)
     try:
-        with ops.mode(args.mode):
+        with ops.use_kernels(args.kernels):
             rows = check(model, args.batch_sizes, args.max_new_tokens, PROMPT_LEN, temperature=args.temperature, seed=args.seed)
     except ValueError as e:
         fail(str(e))
-    print(f"mode={args.mode}  model={args.model or 'tiny random'}")
+    print(f"kernels={args.kernels}  model={args.model or 'tiny random'}")
     print(f"{'batch':>6} {'tokens':>8} {'differ':>8} {'max|diff|':>11} {'k3':>11}")
     for r in rows:
         print(f"{r['batch_size']:>6} {r['tokens']:>8} {r['diff_tokens']:>8} {r['max_abs_diff']:>11.3e} {r['k3']:>11.3e}")
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     if problem:
         fail(f"--out {args.out}: cannot write there ({problem}); nothing was written, choose a writable path of a regular file")
     try:
-        atomic.write_text(args.out, json.dumps(dict(mode=args.mode, model=args.model, rows=rows), indent=2))
+        atomic.write_text(args.out, json.dumps(dict(kernels=args.kernels, model=args.model, rows=rows), indent=2))
     except OSError as e:
         fail(f"--out {args.out}: cannot write it ({e.strerror})")
     print(f"wrote {args.out}")

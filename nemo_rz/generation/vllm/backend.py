@@ -136,9 +136,9 @@ def _checked_arguments(vllm_kwargs: dict, temperature, block_size, max_batch_siz
         raise ValueError(f"VLLMRolloutEngine: block_size = {block_size!r}: must be a positive multiple of {ops.KV_BLOCK}")
     if max_batch_size < 1:
         raise ValueError(f"VLLMRolloutEngine: max_batch_size = {max_batch_size}: must be >= 1")
-    kernels = kernels or ops.get_mode()
-    if kernels not in ops.MODES:
-        raise ValueError(f"VLLMRolloutEngine: kernels = {kernels!r}: use one of {', '.join(ops.MODES)}")
+    kernels = kernels or ops.get_kernels()
+    if kernels not in ops.KERNELS:
+        raise ValueError(f"VLLMRolloutEngine: kernels = {kernels!r}: use one of {', '.join(ops.KERNELS)}")
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -421,9 +421,7 @@ class VLLMRolloutEngine:
                     f"generate: {key}={getattr(p, key)!r} is not supported by the vLLM backend: it changes the "
                     "distribution after the logprobs are computed (docs/contracts.md, 2); sample from the full distribution"
                 )
-        if not isinstance(p, SamplingParams):
-            raise TypeError(f"generate: params must be nemo_rz.generation.SamplingParams, not {type(p).__name__}")
-        if p.temperature == 0:
+        if p.temperature == 0:  # p is a SamplingParams: checked_requests saw to it
             if self.temperature != 1.0:
                 raise ValueError(
                     f"generate: greedy requests record temperature-1 logprobs, but this engine's temperature is "

@@ -59,7 +59,7 @@ def _ops_context(kernels: str):
     """Run nemo_rz.ops outside vLLM's inference mode (under no_grad): ops keep module-level caches (masks,
     layouts, RoPE tables), and a cache entry created as an inference tensor would break a learner's backward
     later in the same process (in-process engines)."""
-    with torch.inference_mode(False), torch.no_grad(), ops.mode(kernels):
+    with torch.inference_mode(False), torch.no_grad(), ops.use_kernels(kernels):
         yield
 
 
@@ -69,9 +69,9 @@ class NemoRZForCausalLM(nn.Module):
         hf = vllm_config.model_config.hf_config
         self.config = cfg = decoder_config(vllm_config)
         self.temperature = float(getattr(hf, "nemo_rz_temperature", 1.0))
-        self.kernels = getattr(hf, "nemo_rz_kernels", None) or ops.get_mode()
-        if self.kernels not in ops.MODES:
-            raise ValueError(f"nemo_rz vLLM backend: nemo_rz_kernels={self.kernels!r}: use one of {', '.join(ops.MODES)}")
+        self.kernels = getattr(hf, "nemo_rz_kernels", None) or ops.get_kernels()
+        if self.kernels not in ops.KERNELS:
+            raise ValueError(f"nemo_rz vLLM backend: nemo_rz_kernels={self.kernels!r}: use one of {', '.join(ops.KERNELS)}")
         self.decoder = apply_precision(Decoder(cfg).requires_grad_(False), getattr(hf, "nemo_rz_precision", None))
         # Parameter-free: they register cache-scale buffers only, so named_parameters() is the Decoder's.
         self.layer_names = [f"{prefix}model.layers.{i}.self_attn.attn" for i in range(cfg.num_layers)]

@@ -34,7 +34,7 @@ class NemoRZWorkerExtension:
         return h.hexdigest()[:16]
 
     def nemo_rz_info(self) -> dict:
-        """What the worker runs with: torch threads, kernel mode and temperature of the model."""
+        """What the worker runs with: torch threads, kernel set and temperature of the model."""
         m = self._nemo_rz_model()
         return {"threads": torch.get_num_threads(), "kernels": getattr(m, "kernels", None),
                 "temperature": getattr(m, "temperature", None), "model": type(m).__name__}

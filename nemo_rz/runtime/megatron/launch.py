@@ -162,6 +162,6 @@ def follow(cfg) -> None:
     from nemo_rz.runtime.megatron.learner import MegatronLearner
 
     torch.set_num_threads(cfg.runtime.learner_threads)
-    ops.set_mode(cfg.kernels)
+    ops.set_kernels(cfg.kernels)
     distributed.init(cfg.megatron.tp, cfg.megatron.pp, cfg.megatron.dp, cfg.seed)
     MegatronLearner.follow()

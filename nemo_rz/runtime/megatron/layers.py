@@ -136,7 +136,7 @@ class CoreAttention(nn.Module):
     """RoPE, then causal GQA attention of this rank's heads (q, k, v in Megatron's [s, b, heads, d] layout).
 
     Megatron applies RoPE with a table it moves to CUDA, so the model is built without position embeddings
-    and RoPE happens here, through ops.rope, in both kernel modes. Consistent: ops.attention, the Decoder's
+    and RoPE happens here, through ops.rope, in both kernel sets. Consistent: ops.attention, the Decoder's
     arithmetic; fast: Megatron's own DotProductAttention (`fast_attention`)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type, softmax_scale=None,

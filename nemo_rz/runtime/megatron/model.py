@@ -2,7 +2,7 @@
 `token_logprobs`, and `state_dict` / `load_state_dict` in Hugging Face names (whole tensors, what the rollout
 engines load).
 
-Two layer specs: `consistent` (the kernel mode's default) puts nemo_rz.ops inside every Megatron submodule
+Two layer specs: `consistent` (the kernel set's default) puts nemo_rz.ops inside every Megatron submodule
 (layers.py), so the logprobs equal the built-in Decoder's and the rollout engines' bit for bit, and equal at
 every tensor-parallel size; `fast` is Megatron's own local spec (its column/row-parallel layers with their
 all-reduce, torch RMSNorm, DotProductAttention, vocab-parallel cross-entropy): the standard path to compare with.
@@ -94,11 +94,11 @@ def layer_spec(cfg: DecoderConfig, fast: bool) -> ModuleSpec:
 
 
 class MegatronPolicy(nn.Module):
-    """GPTModel over this process's tensor-parallel group (built in the kernel mode current at construction)."""
+    """GPTModel over this process's tensor-parallel group (built in the kernel set current at construction)."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.fast = ops.get_mode() != "consistent"
+        self.fast = ops.get_kernels() != "consistent"
         check_supported(cfg, self.fast)
         self.config, self.tp = cfg, distributed.tp_group()
         self.tp_size, self.tp_rank = dist.get_world_size(self.tp), dist.get_rank(self.tp)
