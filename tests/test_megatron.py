@@ -246,3 +246,14 @@ def test_tp1_run_resumes_bit_exactly_from_its_checkpoint(tmp_path):
     assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
     rows = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows] == [1, 2] and all(r["kernel_diff_tokens"] == 0 for r in rows)
+
+
+def test_the_converter_reads_the_family_map():
+    model = tiny_model(1, vocab_size=VOCAB)
+    hf = model.state_dict()
+    hf["model.layers.0.mlp.extra.weight"] = torch.zeros(2)  # a tensor the family's map does not name
+    with pytest.raises(ValueError, match="does not name, first 'model.layers.0.mlp.extra.weight'"):
+        convert.to_megatron(hf, model.config)
+    moe = tiny_model(1, vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM models: the Megatron learner does not build this family yet"):
+        convert.to_megatron(moe.state_dict(), moe.config)

@@ -39,6 +39,25 @@ GGUF_TENSORS = {
 }
 
 
+# Megatron GPTModel's tensor names: {Megatron name pattern: (how its nemo_rz tensors join, their name patterns)}.
+# "same": one tensor as it is; "qkv": q, k, v fused by query group; "gate_up": [gate; up] (runtime/megatron/convert.py).
+MEGATRON_TENSORS = {
+    "embedding.word_embeddings.weight": ("same", ("model.embed_tokens.weight",)),
+    "decoder.final_layernorm.weight": ("same", ("model.norm.weight",)),
+    "output_layer.weight": ("same", ("lm_head.weight",)),
+    "decoder.layers.{i}.input_layernorm.weight": ("same", ("model.layers.{i}.input_layernorm.weight",)),
+    "decoder.layers.{i}.pre_mlp_layernorm.weight": ("same", ("model.layers.{i}.post_attention_layernorm.weight",)),
+    "decoder.layers.{i}.self_attention.q_layernorm.weight": ("same", ("model.layers.{i}.self_attn.q_norm.weight",)),
+    "decoder.layers.{i}.self_attention.k_layernorm.weight": ("same", ("model.layers.{i}.self_attn.k_norm.weight",)),
+    "decoder.layers.{i}.self_attention.linear_qkv.weight": ("qkv", tuple(f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv")),
+    "decoder.layers.{i}.self_attention.linear_qkv.bias": ("qkv", tuple(f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv")),
+    "decoder.layers.{i}.self_attention.linear_proj.weight": ("same", ("model.layers.{i}.self_attn.o_proj.weight",)),
+    "decoder.layers.{i}.mlp.linear_fc1.weight": ("gate_up", ("model.layers.{i}.mlp.gate_proj.weight",
+                                                             "model.layers.{i}.mlp.up_proj.weight")),
+    "decoder.layers.{i}.mlp.linear_fc2.weight": ("same", ("model.layers.{i}.mlp.down_proj.weight",)),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     architecture: str  # the Hugging Face architecture name ("LlamaForCausalLM")
@@ -138,6 +157,12 @@ class Family:
         """from_gguf's inverse (what llama.cpp's converter writes)."""
         return t
 
+
+    # -- Megatron ----------------------------------------------------------------------------------------------
+    def megatron_tensors(self) -> dict[str, tuple[str, tuple[str, ...]]] | None:
+        """{Megatron name pattern: (join, nemo_rz name patterns)} ({i}: layer), as MEGATRON_TENSORS; None where the
+        Megatron learner does not build this family's layers yet."""
+        return dict(MEGATRON_TENSORS)
 
 def gguf_names(fam: Family, layers: int) -> dict[str, str | tuple[str, ...]]:
     """{parameter name: GGUF tensor name(s)} of every parameter name `fam` maps, for `layers` layers."""

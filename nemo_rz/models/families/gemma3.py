@@ -55,5 +55,8 @@ class Gemma3(Family):
         return names
 
 
+    def megatron_tensors(self):  # its layers are not built by the Megatron learner yet
+        return None
+
 FAMILY = Gemma3("Gemma3ForCausalLM", "gemma3_text", True, "config", 131072, 256, "layer_types", 1e-6, True, 1e6,
                 local_theta=10000.0, default_window=4096, window_pattern=6, gguf_arch="gemma3", rank=10)

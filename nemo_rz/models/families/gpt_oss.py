@@ -40,6 +40,9 @@ class GptOss(Family):
                    intermediate_size=cfg.moe_intermediate_size, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=SWIGLU_ALPHA)
 
 
+    def megatron_tensors(self):  # its layers are not built by the Megatron learner yet
+        return None
+
 FAMILY = GptOss("GptOssForCausalLM", "gpt_oss", False, "config", 131072, 64, "layer_types", 1e-5, False, 150000.0,
                 bias_default=True, default_window=128, window_pattern=2, moe_kind="gpt_oss", rank=20,
                 expert_keys=("num_local_experts",))

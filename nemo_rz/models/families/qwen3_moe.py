@@ -122,6 +122,9 @@ class Qwen3Moe(Family):
         return unstack(tensors) if cfg.num_experts else tensors
 
 
+    def megatron_tensors(self):  # its layers are not built by the Megatron learner yet
+        return None
+
 FAMILY = Qwen3Moe("Qwen3MoeForCausalLM", "qwen3_moe", True, "config", 32768, None, "all_if_used", moe_kind="qwen3",
                   expert_keys=("num_experts", "num_local_experts"),
                   gguf_arch="qwen3moe", rank=20, per_expert=PER_EXPERT)

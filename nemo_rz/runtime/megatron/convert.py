@@ -3,12 +3,14 @@
 Megatron fuses q, k and v into one `linear_qkv` weight laid out by query group (for each kv head g: the query
 heads of g, then k_g, then v_g), and gate and up into `linear_fc1` ([gate; up]). Under tensor parallelism a
 rank holds whole query groups of linear_qkv, and its own rows of gate followed by its own rows of up.
-Conversion only moves and concatenates tensors: the bits never change.
+Conversion only moves and concatenates tensors: the bits never change. Which tensors map to which is the model
+family's (`Family.megatron_tensors`, models/families/base.py); this module only knows how they join.
 """
 from __future__ import annotations
 
 import torch
 
+from nemo_rz.models import families
 from nemo_rz.models.config import DecoderConfig
 
 
@@ -30,41 +32,46 @@ def split_qkv(qkv: torch.Tensor, cfg: DecoderConfig) -> tuple[torch.Tensor, torc
     return (q.reshape(-1, *qkv.shape[1:]), k.reshape(-1, *qkv.shape[1:]), v.reshape(-1, *qkv.shape[1:]))
 
 
-def _one(parts):
-    return parts[0]
+_JOINS = {  # how a Megatron tensor is made of its nemo_rz tensors, and back
+    "same": (lambda parts, cfg: parts[0], lambda t, cfg: [t]),
+    "qkv": (lambda parts, cfg: fuse_qkv(*parts, cfg), split_qkv),
+    "gate_up": (lambda parts, cfg: torch.cat(parts), lambda t, cfg: t.chunk(2)),
+}
 
 
-def _rules(cfg: DecoderConfig):
-    """(Megatron name, its Hugging Face names, join them into it, split it into them) for every weight."""
-    same = (_one, lambda t: [t])
-    qkv = (lambda parts: fuse_qkv(*parts, cfg), lambda t: split_qkv(t, cfg))
-    gate_up = (torch.cat, lambda t: t.chunk(2))
-    yield "embedding.word_embeddings.weight", ["model.embed_tokens.weight"], *same
-    yield "decoder.final_layernorm.weight", ["model.norm.weight"], *same
-    if not cfg.tie_word_embeddings:
-        yield "output_layer.weight", ["lm_head.weight"], *same
-    for i in range(cfg.num_layers):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        yield m + "input_layernorm.weight", [h + "input_layernorm.weight"], *same
-        yield m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"], *same
-        if cfg.qk_norm:
-            yield m + "self_attention.q_layernorm.weight", [h + "self_attn.q_norm.weight"], *same
-            yield m + "self_attention.k_layernorm.weight", [h + "self_attn.k_norm.weight"], *same
-        for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
-            yield m + f"self_attention.linear_qkv.{kind}", [h + f"self_attn.{p}_proj.{kind}" for p in "qkv"], *qkv
-        yield m + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"], *same
-        yield m + "mlp.linear_fc1.weight", [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], *gate_up
-        yield m + "mlp.linear_fc2.weight", [h + "mlp.down_proj.weight"], *same
+def _rules(cfg: DecoderConfig) -> list[tuple[str, list[str], str]]:
+    """(Megatron name, its nemo_rz names, how they join) for every tensor the model's family maps (its
+    `megatron_tensors`; a rule whose tensors a model lacks, such as biases or qk-norms, is skipped by the callers)."""
+    family = families.for_config(cfg)
+    table = family.megatron_tensors()
+    if table is None:
+        raise ValueError(f"{family.architecture} models: the Megatron learner does not build this family yet; "
+                         "use runtime.learner=builtin")
+    out = []
+    for meg, (join, names) in table.items():
+        for i in range(cfg.num_layers) if "{i}" in meg else (None,):
+            out.append((meg.format(i=i), [n.format(i=i) for n in names], join))
+    return out
+
+
+def _uncovered(given: dict, covered: set, what: str) -> None:
+    left = sorted(set(given) - covered)
+    if left:
+        raise ValueError(f"{what}: {len(left)} tensor(s) the family's Megatron map does not name, first {left[0]!r}")
 
 
 def to_megatron(hf: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     """Hugging Face-named weights (the built-in Decoder's state_dict) -> Megatron GPTModel names, whole tensors."""
-    return {m: join([hf[n] for n in names]) for m, names, join, _ in _rules(cfg)}
+    rules = [(m, names, join) for m, names, join in _rules(cfg) if all(n in hf for n in names)]
+    _uncovered(hf, {n for _, names, _ in rules for n in names}, "to_megatron")
+    return {m: _JOINS[join][0]([hf[n] for n in names], cfg) for m, names, join in rules}
 
 
 def to_hf(meg: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     """Megatron names, whole tensors -> Hugging Face names (what the rollout engines load)."""
-    return {n: t for m, names, _, split in _rules(cfg) for n, t in zip(names, split(meg[m]))}
+    rules = [r for r in _rules(cfg) if r[0] in meg]
+    _uncovered(meg, {m for m, _, _ in rules}, "to_hf")
+    return {n: t for m, names, join in rules for n, t in zip(names, _JOINS[join][1](meg[m], cfg))}
 
 
 def _is_gated(name: str) -> bool:
