@@ -13,7 +13,7 @@ setup(
     # config and the presets), so `python -m nemo_rz.train` works from any folder.
     packages=find_packages(include=["nemo_rz", "nemo_rz.*"]) + ["nemo_rz.conf"],
     package_dir={"nemo_rz.conf": "conf"},
-    package_data={"nemo_rz.conf": ["*.yaml"]},
+    package_data={"nemo_rz.conf": ["*.yaml"], "nemo_rz.kernels.cpu": ["*.cpp"]},  # C++ sources, built at first use
     install_requires=[
         "torch>=2.13",
         "numpy",

@@ -3,17 +3,22 @@
 Forward: each output row's bits depend only on that row of x and on W, never on how many rows come with it.
 The route is the library GEMM where a probe has shown it row-invariant on this machine (verified.py: calls of
 a probed range of row counts, the weight as a contiguous [K, N] copy made once per weight version), else
-fixed row tiles (tiles.py). Backward: only the forward's logprobs must equal the rollout's; gradients need to
-be deterministic run to run, not batch-invariant, so they are plain library products (one thread: the same
-shapes give the same bits).
+fixed row tiles (tiles.py). One float32 CPU row (batch-1 decode) goes, where a probe admits it for the shape,
+to a C++ matrix-vector kernel in MKL's GEMM order (kernels/cpu/matvec.cpp): it streams the weight once instead
+of padding the row to the route's min_rows, and gives the row the bits the GEMM route gives it. Backward: only
+the forward's logprobs must equal the rollout's; gradients need to be deterministic run to run, not
+batch-invariant, so they are plain library products (one thread: the same shapes give the same bits).
 """
 from __future__ import annotations
 
 import torch
 
+from nemo_rz.kernels import cpu as cpu_kernels
 from nemo_rz.ops.tiles import from_tiles, tiled_matmul, to_tiles
-from nemo_rz.ops.verified import by_rows, matmul_route
+from nemo_rz.ops.verified import Route, by_rows, matmul_route, verified
 from nemo_rz.ops.weight_cache import derived
+
+MATVEC_PROBE_ROWS = 16  # rows of a probe that compares the matrix-vector kernel with the GEMM route
 
 
 def weight_t(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -23,13 +28,38 @@ def weight_t(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return derived(weight, "gemm.t", lambda: weight.detach().t().to(dtype).contiguous(), dtype)
 
 
+def _gemm(x: torch.Tensor, w_t: torch.Tensor, route: Route) -> torch.Tensor:
+    return by_rows(lambda rows, out: torch.mm(rows, w_t, out=out), x, route, width=w_t.shape[1])
+
+
+def matvec_verified(k: int, n: int, route: Route) -> bool:
+    """Does the C++ matrix-vector kernel give one float32 CPU row the bits the GEMM route `route` gives it for
+    [k, n]? Probed once per process and build: every one of MATVEC_PROBE_ROWS random rows against their rows of
+    one routed GEMM call (False without the C++ kernels)."""
+    tag = cpu_kernels.build_tag()
+    if tag is None:
+        return False
+
+    def probe() -> bool:
+        g = torch.Generator().manual_seed(n * 31 + k)
+        w_t = torch.randn(k, n, generator=g) / k ** 0.5
+        rows = torch.randn(MATVEC_PROBE_ROWS, k, generator=g) * 4.0
+        reference = _gemm(rows, w_t, route)
+        return all(torch.equal(cpu_kernels.matvec(rows[i : i + 1].clone(), w_t), reference[i : i + 1])
+                   for i in range(rows.shape[0]))
+
+    return bool(verified("matvec", (k, n, route.chunk, route.min_rows, tag), probe))
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T in x's dtype, row-invariant; no autograd."""
     k, n = x.shape[1], weight.shape[0]
     route = matmul_route(k, n, x.dtype, x.device)
     if route is not None:
         w_t = weight_t(weight, x.dtype)
-        return by_rows(lambda rows, out: torch.mm(rows, w_t, out=out), x, route, width=n)
+        if x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu" and matvec_verified(k, n, route):
+            return cpu_kernels.matvec(x, w_t)
+        return _gemm(x, w_t, route)
     return from_tiles(tiled_matmul(to_tiles(x), weight.to(x.dtype).t()), x.shape[0])
 
 

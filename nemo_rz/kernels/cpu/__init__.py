@@ -1,0 +1,98 @@
+"""C++ CPU kernels (packaged as ``nemo_rz.kernels.cpu``), compiled at first use with torch's cpp_extension.
+
+The sources ship in this folder; the build goes to `$NEMO_RZ_CACHE_DIR/torch_extensions` (default
+`~/.cache/nemo_rz/torch_extensions`), in a folder named after the sources, the compiler flags, torch's version
+and this CPU (a `-march=native` build never runs on another kind of CPU). It is built once per machine; later
+processes only load it. No compiler, a failed build or `NEMO_RZ_CPP=0`: `available()` is False (with one warning
+line for a failed build) and callers keep their pure-torch route.
+
+- `matvec(x, w_t)`: x [1, K] @ w_t [K, N] (float32, w_t contiguous) in a fixed order (matvec.cpp), which is the
+  order MKL's single-thread GEMM gives each row of a product of two or more rows here. Whether it is, on a given
+  machine and shape, is for the caller to probe (ops/gemm.py does).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+MKL_BLOCK = 384  # rows of w_t per accumulator block in MKL's order (matvec.cpp's rule)
+_SOURCES = ("matvec.cpp",)
+_FLAGS = ("-O3", "-march=native", "-std=c++17")
+_LOCK = threading.Lock()
+
+
+def _cpu_id() -> str:
+    """What a -march=native binary depends on: the architecture and the CPU's model and feature flags."""
+    lines = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    lines.append(line)
+                if len(lines) >= 2:
+                    break
+    except OSError:
+        pass
+    return platform.machine() + "".join(lines)
+
+
+def _build_dir() -> tuple[str, Path]:
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((here / name).read_bytes())
+    h.update(repr((_FLAGS, torch.__version__, platform.python_version(), _cpu_id())).encode())
+    tag = h.hexdigest()[:16]
+    base = Path(os.environ.get("NEMO_RZ_CACHE_DIR") or Path.home() / ".cache" / "nemo_rz")
+    return tag, base / "torch_extensions" / f"nemo_rz_cpu_{tag}"
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> str | None:
+    """Build (once per machine) and load the extension; its build tag, or None where it cannot be had."""
+    if os.environ.get("NEMO_RZ_CPP", "1") == "0":
+        return None
+    if not any(shutil.which(c) for c in (os.environ.get("CXX", "c++"), "g++", "clang++")):
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        tag, where = _build_dir()
+        where.mkdir(parents=True, exist_ok=True)
+        here = Path(__file__).resolve().parent
+        cpp_extension.load(f"nemo_rz_cpu_{tag}", [str(here / s) for s in _SOURCES], extra_cflags=list(_FLAGS),
+                           build_directory=str(where), is_python_module=False, verbose=False)
+        torch.ops.nemo_rz_cpu.matvec  # noqa: B018 (the op is registered)
+    except Exception as e:  # a missing ninja, a compiler error, an unwritable cache: the pure-torch route stays
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        warnings.warn(f"nemo_rz: C++ CPU kernels unavailable ({first}); using the pure-torch routes "
+                      "(NEMO_RZ_CPP=0 skips the build)", stacklevel=3)
+        return None
+    return tag
+
+
+def available() -> bool:
+    """Are the C++ kernels built and loaded (building them on the first call)?"""
+    with _LOCK:
+        return _load() is not None
+
+
+def build_tag() -> str | None:
+    """The loaded build's tag (sources, flags, torch, CPU), or None: part of any cached fact about its results."""
+    with _LOCK:
+        return _load()
+
+
+def matvec(x: torch.Tensor, w_t: torch.Tensor, block: int = MKL_BLOCK, simd: bool = True) -> torch.Tensor:
+    """x [1, K] @ w_t [K, N] -> [1, N], float32 on CPU, in matvec.cpp's fixed order with `block`-row
+    blocks (another block size is another order); simd=False runs the scalar loop that CPUs without AVX-512
+    run. Call only where `available()`."""
+    return torch.ops.nemo_rz_cpu.matvec(x, w_t, block, simd)
