@@ -25,7 +25,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -209,6 +209,66 @@ SCHEMA: dict[str, Key] = {
     "checkpoint.every": Int(0, why="0 = never"),
     "checkpoint.keep": Int(1),
 }
+
+
+# -- typed sections: SCHEMA's keys as frozen dataclasses, one per section ----------------------------------------
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "mapping": dict, "ints": tuple[int, ...]}
+
+
+def _field_type(spec: Key):
+    if spec.kind != "choice":
+        kind = _TYPES[spec.kind]
+    elif callable(spec.choices):  # a registry: names
+        kind = str
+    else:
+        kinds = tuple(dict.fromkeys(type(c) for c in spec.choices))
+        kind = kinds[0] if len(kinds) == 1 else Union[kinds]
+    return Optional[kind] if spec.optional else kind
+
+
+def _config_class() -> type:
+    """Config: the top-level keys, then a frozen dataclass per section (AlgoSection for algo.*, ...), from SCHEMA."""
+    top, sections = [], {}
+    for key, spec in SCHEMA.items():
+        section, _, name = key.rpartition(".")
+        if "." in section:
+            raise TypeError(f"SCHEMA key {key}: typed sections are one level deep")
+        (sections.setdefault(section, []) if section else top).append((name, _field_type(spec)))
+    for section, fields in sections.items():
+        top.append((section, _named(dataclasses.make_dataclass(f"{section.title()}Section", fields, frozen=True))))
+    return _named(dataclasses.make_dataclass("Config", top, frozen=True))
+
+
+def _named(cls: type) -> type:
+    """A made class importable from this module by its name, so that a Config pickles."""
+    cls.__module__ = __name__
+    globals()[cls.__name__] = cls
+    return cls
+
+
+Config = _config_class()
+
+
+def typed(cfg: DictConfig | dict) -> Config:
+    """A validated config (validate's result) as a Config: each section a frozen dataclass whose fields are
+    SCHEMA's keys, so a misspelt attribute raises AttributeError. Mappings are dicts, lists of ints tuples;
+    a missing or bad value is one ConfigError, as in validate."""
+    plain = cfg if isinstance(cfg, dict) else resolved(cfg)
+    top, sections = {}, {}
+    for key, spec in SCHEMA.items():
+        try:
+            value = _lookup(plain, key)
+        except (KeyError, TypeError):
+            raise ConfigError(f"config key {key} is missing; add it (see conf/default.yaml)") from None
+        if not spec.accepts(value):
+            shown = "null" if value is None else repr(value)
+            raise ConfigError(f"{key} = {shown}: expected {spec.expected()}{spec.hint(value)}")
+        value = spec.normalised(value)
+        value = dict(value) if spec.kind == "mapping" else tuple(value) if spec.kind == "ints" and value is not None else value
+        section, _, name = key.rpartition(".")
+        (sections.setdefault(section, {}) if section else top)[name] = value
+    fields = {f.name: f.type for f in dataclasses.fields(Config)}
+    return Config(**top, **{s: fields[s](**values) for s, values in sections.items()})
 
 
 def _lookup(plain: dict, key: str):

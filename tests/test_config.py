@@ -60,6 +60,44 @@ def test_ranges(key, good, bad):
     assert not any(spec.accepts(v) for v in bad)
 
 
+def _typed_keys(c, prefix=""):
+    import dataclasses
+
+    out = []
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        out += _typed_keys(value, f"{f.name}.") if dataclasses.is_dataclass(value) else [prefix + f.name]
+    return out
+
+
+def test_typed_sections_are_the_schema_keys_and_a_misspelt_one_raises():
+    import dataclasses
+
+    cfg = config.load(None, ["draft.aux_layers=[0,1]", "algo.correction_params={a: 1}", "algo.lr=1"])
+    c = schema.typed(cfg)
+    assert sorted(_typed_keys(c)) == sorted(schema.SCHEMA)
+    assert all(getattr(getattr(c, k.split(".")[0]), k.split(".")[1]) == OmegaConf.select(cfg, k)
+               for k in schema.SCHEMA if "." in k and schema.SCHEMA[k].kind not in ("ints", "mapping"))
+    assert c.draft.aux_layers == (0, 1) and c.algo.correction_params == {"a": 1} and type(c.algo.lr) is float
+    assert schema.AlgoSection.__dataclass_fields__["grad_clip"].type == float | None  # Key.optional
+    assert schema.typed(OmegaConf.create(OmegaConf.to_yaml(c))) == c  # written out and read back: the same
+    with pytest.raises(AttributeError, match="max_lga"):  # negative control: the DictConfig would answer None
+        c.algo.max_lga
+    assert OmegaConf.select(cfg, "algo.max_lga") is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.algo.lr = 2.0
+
+
+def test_typed_refuses_a_missing_or_bad_key_in_one_line():
+    plain = schema.resolved(config.load(None, []))
+    del plain["algo"]["max_lag"]
+    with pytest.raises(ConfigError, match=r"^config key algo.max_lag is missing; add it \(see conf/default.yaml\)$"):
+        schema.typed(plain)
+    plain["algo"]["max_lag"] = -1
+    with pytest.raises(ConfigError, match=r"^algo.max_lag = -1: expected an integer in 0..64"):
+        schema.typed(plain)
+
+
 def _saved_run(tmp_path, *overrides):
     """A run directory as nemo_rz.train leaves it (config only: these checks come before any checkpoint)."""
     run = tmp_path / "run"

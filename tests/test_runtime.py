@@ -1,13 +1,16 @@
 """The asynchronous runtime: lag bound, accounting, kernel-vs-lag decomposition, crash recovery, resume."""
+import collections
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from nemo_rz import config, train
-from nemo_rz.runtime import checkpoint
+from nemo_rz.runtime import build, checkpoint
 from nemo_rz.runtime.trainer import Trainer
+from nemo_rz.tasks import Problem
 
 TINY = [
     "task.name=add1", "warmup.steps=40", "warmup.lr=0.003", "algo.prompts_per_update=4", "algo.group_size=4", "eval.n=16", "eval.every=3",
@@ -74,6 +77,85 @@ def test_resume_continues_bit_exactly(tmp_path):
         return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
     assert strip(_metrics(part)) == strip(_metrics(tmp_path / "full"))
+
+
+def _tag_draws(trainer):
+    """Tag every answer the task draws with how many times its batch was drawn; returns (draws, tags scored)."""
+    task, draws, scored = trainer.task, collections.Counter(), []
+    sample, reward = task.sample, task.reward
+
+    def tagged_sample(n, rng):
+        key = rng.getstate()
+        draws[key] += 1
+        return [Problem(p.prompt, f"{p.answer}#{draws[key]}") for p in sample(n, rng)]
+
+    def tagged_reward(completion, answer):
+        answer, tag = answer.rsplit("#", 1)
+        scored.append(int(tag))
+        return reward(completion, answer)
+
+    task.sample, task.reward = tagged_sample, tagged_reward
+    return draws, scored
+
+
+class _Redraws(Trainer):
+    """The way before Job.answers: the answers drawn again when the result is scored."""
+
+    def _update(self, res):
+        self.answers[res.batch] = self.job(res.batch).answers
+        return super()._update(res)
+
+
+@pytest.mark.parametrize("cls, tag", [(Trainer, 1), (_Redraws, 2)])  # _Redraws: the negative control
+def test_completions_are_scored_against_the_answers_drawn_with_their_prompts(tmp_path, cls, tag):
+    cfg = config.load(None, TINY + [f"run_dir={tmp_path / 'r'}", "algo.updates=3", "algo.max_lag=1", "checkpoint.every=0"])
+    trainer = cls(cfg, tmp_path / "r", log=lambda *_: None)
+    draws, scored = _tag_draws(trainer)
+    assert trainer.run()["trained"] == 3 * 16
+    assert len(scored) == 3 * 16 and set(scored) == {tag}
+    assert len(draws) == 3 and set(draws.values()) == {tag}  # one draw per batch: sample() called once for each
+
+
+def _checkpoint_with_batch_1_pending(tmp_path, name, stored):
+    """A run saved at update 0 holding batch 1's result, as save() writes it when batch 1 came back before batch 0,
+    with stored = "its answers", "none" (a checkpoint written before Job.answers) or "batch 2's answers"."""
+    run = tmp_path / name
+    cfg = config.load(None, TINY + [f"run_dir={run}", "algo.updates=3", "algo.max_lag=1"])
+    trainer = Trainer(cfg, run, log=lambda *_: None)
+    weights = trainer.history[0].flat()
+    backend = build.backend(trainer.cfg.runtime, 1, build.worker_kwargs(trainer.cfg, trainer.parts), weights)
+    try:
+        backend.publish(0, weights)
+        job = trainer.job(1)
+        backend.submit(job)
+        results = []
+        while not results:
+            results = backend.poll(timeout=5.0)
+    finally:
+        backend.close()
+    trainer.pending[1], trainer.answers[1] = results[0], job.answers
+    trainer.counts["produced"] += len(results[0].completions)
+    path = trainer.save()
+    if stored != "its answers":
+        saved = checkpoint.load(path)
+        row = saved[3]["pending"][1]
+        saved[3]["pending"][1] = row[:5] + ((trainer.job(2).answers,) if stored == "batch 2's answers" else ())
+        shutil.rmtree(path)
+        checkpoint.save(run / "checkpoints", *saved, keep=1)
+    return cfg, run
+
+
+def test_results_pending_in_a_checkpoint_are_scored_against_their_answers_also_from_an_old_one(tmp_path):
+    _run(tmp_path, "full", "algo.updates=3", "algo.max_lag=1")
+    final = {}
+    for stored in ("its answers", "none", "batch 2's answers"):  # batch 2's: the negative control
+        cfg, run = _checkpoint_with_batch_1_pending(tmp_path, stored.split()[0], stored)
+        summary = Trainer(cfg, run, resume=run, log=lambda *_: None).run()
+        assert summary["produced"] == summary["trained"] == 3 * 16
+        final[stored] = load_file(checkpoint.latest(run / "checkpoints") / "model.safetensors")
+    full = load_file(checkpoint.latest(tmp_path / "full" / "checkpoints") / "model.safetensors")
+    assert all(torch.equal(full[k], final["its answers"][k]) and torch.equal(full[k], final["none"][k]) for k in full)
+    assert not all(torch.equal(full[k], final["batch 2's answers"][k]) for k in full)
 
 
 def test_a_reward_function_that_raises_costs_the_sample_not_the_run(tmp_path):

@@ -387,7 +387,7 @@ _ROW = Tup([int], [int], bytes, int, str, optional=(Opt(Tup(int, bytes)),))  # j
 TRAINER_STATE = {
     "version": int, "counts": {str: int}, "lags": [int], "is_dev": {"values": [float], "n_nonfinite": int},
     "evals": [Tup(int, float)], "max_grad_norm": float,
-    "pending": {int: Tup(int, int, [_ROW], float, optional=({str: object},))},
+    "pending": {int: Tup(int, int, [_ROW], float, optional=({str: object}, [str]))},  # then its job's answers
     "torch_rng": torch.Tensor, "elapsed": float,
 }
 
@@ -444,6 +444,8 @@ def check_trainer_state(path: Path, state: dict) -> None:
             problem = "state.pt['torch_rng'] is not a random generator state (uint8 vector)"
         elif not all(math.isfinite(float(x)) for x in (state["elapsed"], state["max_grad_norm"])):
             problem = "state.pt holds a non-finite time or gradient norm"
+        elif (u := next((u for u, r in state["pending"].items() if len(r) > 5 and len(r[5]) != len(r[2])), None)) is not None:
+            problem = f"state.pt['pending'][{u}] holds {len(state['pending'][u][5])} answers for {len(state['pending'][u][2])} completions"
     if problem is not None:
         raise CorruptCheckpoint(f"checkpoint {path}: {problem} (damaged, or not written by this trainer)")
 

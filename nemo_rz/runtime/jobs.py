@@ -23,6 +23,13 @@ class Job:
     temperature: float
     seed: int
     stop_token_ids: tuple[int, ...]
+    # what each prompt's completions are scored against, from the same draw as the prompts; the rollout side does
+    # not read them (empty for a job nobody scores)
+    answers: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if self.answers and len(self.answers) != len(self.prompts):
+            raise ValueError(f"job {self.batch}: {len(self.answers)} answers for {len(self.prompts)} prompts; give one per prompt")
 
 
 @dataclasses.dataclass

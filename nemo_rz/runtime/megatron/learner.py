@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from nemo_rz import schema
 from nemo_rz.errors import DivergenceError
 from nemo_rz.models import Decoder, DecoderConfig
 from nemo_rz.parallel.tensor import all_gather_sum
@@ -206,13 +207,8 @@ class _Supervised:
         return False
 
 
-def from_config(cfg, mirror: Decoder) -> MegatronLearner:
-    """The learner that `runtime.learner=megatron` and the `megatron.*` keys ask for, starting from `mirror`'s
-    weights (rank 0 of the job)."""
-    recipe = getattr(getattr(cfg, "precision", None), "recipe", "none")
-    if recipe not in (None, "none"):
-        raise ValueError(f"precision.recipe = {recipe}: the Megatron learner trains full-precision linears only; "
-                         "use precision.recipe=none or runtime.learner=builtin")
-    m, a = cfg.megatron, cfg.algo
+def from_config(m: schema.MegatronSection, a: schema.AlgoSection, seed: int, mirror: Decoder) -> MegatronLearner:
+    """The learner that `runtime.learner=megatron` asks for, from the `megatron` and `algo` sections of the typed
+    config (nemo_rz.schema.typed), starting from `mirror`'s weights (rank 0 of the job)."""
     return MegatronLearner(mirror, m.tp, m.pp, m.dp, m.grad_shares, a.lr, a.grad_clip, a.temperature, a.loss,
-                           a.correction, dict(a.correction_params), seed=cfg.seed)
+                           a.correction, a.correction_params, seed=seed)
