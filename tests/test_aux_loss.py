@@ -35,7 +35,7 @@ class Probe:
         if self.second_pass:  # what the hook exists to avoid: the negative control of the pass count
             model.token_logprobs(batch.input_ids, batch.lengths, temperature)
         self.seen.append(len(tapped))
-        x = tapped[0].view(*batch.input_ids.shape, -1)[:, :-1]
+        x = aux_loss.padded(tapped[0], batch).view(*batch.input_ids.shape, -1)[:, :-1]
         loss = torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), batch.input_ids[:, 1:].flatten(), reduction="none")
         loss = (loss * batch.mask.flatten()).sum() / batch.mask.sum()
         self.opt.zero_grad()

@@ -33,7 +33,7 @@ def draft(request):
     outs += RolloutEngine(MODEL).generate(PROMPTS, SamplingParams(12, temperature=1.0, seed=1))
     batch = pack(outs)
     with aux_features(MODEL, head.aux_layers) as found, torch.no_grad():
-        MODEL.token_logprobs(batch.input_ids, batch.lengths)
+        MODEL.token_logprobs(batch.input_ids)  # the padded layout trainer.step reads
     for _ in range(12):
         trainer.step(MODEL, found[0], batch.input_ids, batch.mask, 1.0)
     return head

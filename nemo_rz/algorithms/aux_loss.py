@@ -7,6 +7,9 @@ forward (forward hooks on the layers the loss reads), then hands each loss what 
 tapped is detached, so no gradient reaches the policy. Both learners (the built-in one and the Megatron one) run
 the same hook: it is `Learner.rl_step`'s.
 
+What a tap records is laid out as the forward ran: the built-in learner's forward is packed (the batch's valid
+tokens, sum(lengths) rows, no padding: models.decoder.packed_rows); `padded` gives it the batch's [B * T] layout.
+
 A loss's optimizer state travels in the learner's optimizer state under the loss's `name`; the weights it ships
 with every weight version (a draft's) are `shipped()`, and `receive` takes them back from a checkpoint.
 """
@@ -16,6 +19,8 @@ import contextlib
 from typing import ContextManager, Protocol, runtime_checkable
 
 import torch
+
+from nemo_rz.models.decoder import unpacked
 
 
 @runtime_checkable
@@ -53,3 +58,16 @@ def learn(model, losses: list[AuxLoss], taps: list, batch, temperature: float, w
     for loss, t in zip(losses, taps):
         metrics.update(loss.learn(model, t, batch, temperature, what))
     return metrics
+
+
+def padded(features: torch.Tensor, batch) -> torch.Tensor:
+    """Tapped per-token features -> the padded [B * T, ...] layout of `batch` (a generation.packing.Packed), zero
+    rows at padding. A forward of the packed tokens has sum(lengths) rows; one of the padded batch (the Megatron
+    learner's) has B * T and is returned as it is (where the two counts agree, so do the layouts)."""
+    b, length = batch.input_ids.shape
+    if features.shape[0] == b * length:
+        return features
+    if features.shape[0] != int(batch.lengths.sum()):
+        raise ValueError(f"tapped features have {features.shape[0]} rows, but the batch has {int(batch.lengths.sum())} "
+                         f"tokens ({b * length} padded): tap the learner's forward of this batch")
+    return unpacked(features, batch.lengths, length)

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from nemo_rz.algorithms.aux_loss import padded
 from nemo_rz.errors import DivergenceError
 from nemo_rz.models.draft import DraftHead, aux_features, expected_tokens_per_pass
 
@@ -58,7 +59,7 @@ class DraftTrainer:
 
     def learn(self, model, tapped: list, batch, temperature: float, what: str = "draft") -> dict[str, float]:
         """The auxiliary-loss step: `step` on the features of the learner's one forward of this batch."""
-        aux, final = tapped[0]
+        aux, final = (padded(x, batch) for x in tapped[0])  # the learner's forward is packed
         return self.step(model, aux, batch.input_ids, batch.mask, temperature, batch.rollout_logprobs, what, final)
 
     def shipped(self) -> dict[str, torch.Tensor]:

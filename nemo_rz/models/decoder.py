@@ -3,7 +3,8 @@ models/layers.py (attention: full, sliding window, sinks; MLP: dense or mixture 
 
 Parameter names follow Hugging Face's layout (`model.layers.0.self_attn.q_proj.weight`...), so checkpoints
 load without renaming. One forward serves both sides:
-- the learner: `token_logprobs(input_ids)` runs the whole [B, T] batch with autograd;
+- the learner: `token_logprobs(input_ids, lengths, mask=...)` runs the batch's valid tokens, packed (no padding
+  rows), with autograd, and the LM head only at the positions the loss reads, in chunks (ops.lm_head_logprobs);
 - the rollout engine: `step(ids, positions, seq_idx, cache)` runs any mix of prefill and decode tokens and
   writes their keys/values into a KV cache.
 Both end in the same ops, so for the same weights and tokens they compute the same bits (in consistent mode).
@@ -21,7 +22,7 @@ from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.layers import MLP, Attention, Block, Linear, RMSNorm, block, embed_scale, norm
 from nemo_rz.protocols import KVCacheProtocol
 
-__all__ = ["Attention", "Block", "Decoder", "KVCache", "Linear", "MLP", "RMSNorm", "Tokens"]
+__all__ = ["Attention", "Block", "Decoder", "KVCache", "Linear", "MLP", "RMSNorm", "Tokens", "packed_rows", "unpacked"]
 
 
 _KV_HEAD_OFFSETS: dict = {}
@@ -102,6 +103,40 @@ class Tokens:
     cache_rows: dict | None = None  # {layer slots: [N * Hkv] rows} a KVCache writes (KVCache.rows)
 
 
+class BatchKV:
+    """The learner's keys/values of a packed batch (Decoder.packed): each layer's [S, Hkv, L, D] view, L the
+    longest sequence rounded up to KV_BLOCK, built from the forward's own tokens (differentiable), zeros past
+    each sequence's end. A query sees only its own sequence's earlier positions, so the zeros get exact zero
+    weight, as the padding of a dense batch does."""
+
+    def __init__(self, num_seqs: int, length: int):
+        self.num_seqs, self.length = num_seqs, length + (-length) % ops.KV_BLOCK
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def _placed(self, x: torch.Tensor, t: "Tokens") -> torch.Tensor:
+        out = x.new_zeros(self.num_seqs, self.length, *x.shape[1:])
+        return out.index_put((t.seq_idx, t.positions), x).transpose(1, 2)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, t: "Tokens") -> None:
+        self.k[layer], self.v[layer] = self._placed(k, t), self._placed(v, t)
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return self.k[layer], self.v[layer], None
+
+
+def packed_rows(lengths: torch.Tensor, length: int) -> torch.Tensor:
+    """[sum(lengths)]: where each valid token of a padded [B, length] batch (the first lengths[i] of row i) sits
+    in the flat [B * length] layout, in row order: the packed layout of Decoder.packed."""
+    return (torch.arange(length, device=lengths.device)[None, :] < lengths[:, None]).reshape(-1).nonzero().squeeze(1)
+
+
+def unpacked(x: torch.Tensor, lengths: torch.Tensor, length: int, fill: float = 0.0) -> torch.Tensor:
+    """Rows of the packed layout [sum(lengths), ...] -> the padded [B * length, ...] one, `fill` at padding."""
+    rows = packed_rows(lengths.to(x.device), length)
+    return x.new_full((lengths.shape[0] * length, *x.shape[1:]), fill).index_put((rows,), x)
+
+
 class Body(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -143,9 +178,13 @@ class Decoder(nn.Module):
             x = layer(x, t)
         return self.model.norm(x)
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's [vocab, hidden] weight (the embedding's, when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear(hidden, weight)
+        return ops.linear(hidden, self.head_weight)
 
     # -- learner path ------------------------------------------------------------------------------
     def tokens(self, input_ids: torch.Tensor) -> Tokens:
@@ -163,16 +202,43 @@ class Decoder(nn.Module):
         b, length = input_ids.shape
         return self.logits(self.hidden(self.tokens(input_ids))).view(b, length, -1)
 
-    def token_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
-        """float32 [B, T-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) at `temperature`; 0 past each length."""
+    def packed(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> Tokens:
+        """The valid tokens of a padded [B, T] batch (the first lengths[i] of row i), flat in row order (packed_rows),
+        with their positions and sequence ids: no padding rows reach the layers."""
         b, length = input_ids.shape
-        hid = self.hidden(self.tokens(input_ids)).view(b, length, -1)[:, :-1]
-        targets = input_ids[:, 1:].reshape(-1)
-        lp = ops.token_logprobs(self.logits(hid.reshape(b * (length - 1), -1)), targets, temperature).view(b, length - 1)
-        if lengths is not None:
-            valid = torch.arange(length - 1, device=input_ids.device)[None, :] < (lengths.to(input_ids.device)[:, None] - 1)
-            lp = torch.where(valid, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
-        return lp
+        lengths = lengths.to(input_ids.device)
+        if lengths.shape != (b,) or (b and (int(lengths.min()) < 1 or int(lengths.max()) > length)):
+            raise ValueError(f"lengths {lengths.tolist()} must hold one length in 1..{length} per row of the "
+                             f"[{b}, {length}] input_ids; pass each sequence's token count")
+        rows = packed_rows(lengths, length)
+        return Tokens(input_ids.reshape(-1)[rows], rows % length, rows // length, BatchKV(b, int(lengths.max()) if b else 0))
+
+    def token_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, temperature: float = 1.0,
+                       mask: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [B, T-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) at `temperature`; 0 past each length and,
+        with `mask` [B, T-1], wherever it is 0 (the LM head runs only where it is not). With `lengths` the layers
+        run the packed valid tokens (Decoder.packed), without it the whole [B, T] batch; the bits are the same."""
+        b, length = input_ids.shape
+        dev = input_ids.device
+        want = torch.ones(b, length - 1, dtype=torch.bool, device=dev)
+        if lengths is None:
+            hidden = self.hidden(self.tokens(input_ids))
+            starts = torch.arange(b, device=dev) * length  # each sequence's first row of hidden
+        else:
+            lengths = lengths.to(dev)
+            hidden = self.hidden(self.packed(input_ids, lengths))
+            want &= torch.arange(length - 1, device=dev)[None, :] < (lengths[:, None] - 1)
+            starts = torch.cumsum(lengths, 0) - lengths
+        if mask is not None:
+            if mask.shape != want.shape:
+                raise ValueError(f"token_logprobs: mask is {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)} "
+                                 f"needs [{b}, {length - 1}] (one entry per predicted token)")
+            want &= mask.to(dev) != 0
+        where = want.reshape(-1).nonzero().squeeze(1)
+        seq, pos = where // max(length - 1, 1), where % max(length - 1, 1)
+        lp = ops.lm_head_logprobs(hidden.index_select(0, starts[seq] + pos), self.head_weight, input_ids[seq, pos + 1],
+                                  temperature)
+        return lp.new_zeros(b * (length - 1)).index_put((where,), lp).view(b, length - 1)
 
     # -- rollout path ------------------------------------------------------------------------------
     def new_cache(self, num_seqs: int, max_len: int, device=None, step_tokens: int | None = None) -> KVCache:

@@ -1,7 +1,9 @@
 """Log-probabilities: log-softmax of (logits / temperature) over the full vocabulary, in float32.
 
 `token_logprobs` is `log_softmax` gathered at the target, so the engine (which needs the full distribution to
-sample) and the learner (which needs one number per token) share one arithmetic.
+sample) and the learner (which needs one number per token) share one arithmetic. `lm_head_logprobs` is
+`token_logprobs(linear(hidden, weight))` computed a chunk of rows at a time, forward and backward, so the learner
+never holds the whole [tokens, vocab] float32 logits.
 """
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import torch.nn.functional as F
 
 from nemo_rz.ops.dispatch import by_recomputing, kernel_op, on_gpu_kernels
 from nemo_rz.ops.kernel_set import consistent
+from nemo_rz.ops.linear import linear
 from nemo_rz.ops.tiles import TILE_ROWS, from_tiles, row_sum, to_tiles
 from nemo_rz.ops.verified import by_rows, rowwise_route
 
 SUM_BLOCK = 128  # the vocabulary is summed in blocks of this many entries, then the block sums are summed
+HEAD_CHUNK_BYTES = 16 << 20  # lm_head_logprobs: a chunk's [rows, vocab] float32 logits stay within this (16 MiB)
 
 
 def _scaled(logits: torch.Tensor, temperature) -> torch.Tensor:
@@ -111,3 +115,83 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature=1.0)
 
         return kernel_op(lambda x: kernels.token_logprobs(x, targets, t), by_recomputing(reference), logits)
     return log_softmax(logits, temperature).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+def head_chunk_rows(vocab: int) -> int:
+    """Rows per chunk of lm_head_logprobs: a multiple of TILE_ROWS whose [rows, vocab] float32 fits
+    HEAD_CHUNK_BYTES (at least TILE_ROWS)."""
+    return max(TILE_ROWS, HEAD_CHUNK_BYTES // (4 * vocab) // TILE_ROWS * TILE_ROWS)
+
+
+def lm_head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature=1.0,
+                     chunk: int | None = None) -> torch.Tensor:
+    """hidden [N, H], LM-head weight [V, H], targets [N] -> [N] float32: `token_logprobs(linear(hidden, weight),
+    targets, temperature)`, a chunk of `chunk` rows (default head_chunk_rows(V)) at a time.
+
+    The forward is those two ops on each chunk, so (both row-invariant in consistent mode) its bits are the
+    unchunked ones. The backward recomputes each chunk's logits and adds its products to grad_hidden and
+    grad_weight in chunk order: deterministic, within float rounding of the unchunked gradient. temperature: a
+    float, or one per row ([N] tensor). With the GPU kernels: the unchunked ops (their own backward)."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"lm_head_logprobs: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and targets "
+                         f"{tuple(targets.shape)} must be [N, H], [V, H] and [N]; pass the final hidden states of N tokens")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"lm_head_logprobs: chunk = {chunk}: must be >= 1 rows")
+    if on_gpu_kernels(hidden):
+        return token_logprobs(linear(hidden, weight), targets, temperature)
+    rows = chunk or head_chunk_rows(weight.shape[0])
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _HeadLogprobs.apply(hidden, weight, targets, temperature, rows)
+    return _head_forward(hidden, weight, targets, temperature, rows)
+
+
+def _chunks(n: int, rows: int):
+    return (slice(start, min(start + rows, n)) for start in range(0, n, rows))
+
+
+def _row_temperature(temperature, rows: slice):
+    return temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+
+
+def _head_forward(hidden, weight, targets, temperature, rows: int) -> torch.Tensor:
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    with torch.no_grad():
+        for c in _chunks(hidden.shape[0], rows):
+            out[c] = token_logprobs(linear(hidden[c], weight), targets[c], _row_temperature(temperature, c))
+    return out
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """Chunked forward; the backward of log-softmax-gather and of the product, one recomputed chunk at a time.
+
+    Per chunk, with p = softmax(logits / T): d logits = (onehot(target) - p) * grad / T; grad_hidden gets
+    d logits @ W and grad_weight d logits.T @ hidden, summed over the chunks in order (float32)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, rows):
+        ctx.save_for_backward(hidden, weight, targets, temperature if isinstance(temperature, torch.Tensor) else None)
+        ctx.temperature, ctx.rows = temperature, rows
+        return _head_forward(hidden, weight, targets, temperature, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, targets, t_rows = ctx.saved_tensors
+        temperature = ctx.temperature if t_rows is None else t_rows
+        need_h, need_w = ctx.needs_input_grad[:2]
+        w = weight.detach().float()
+        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        for c in _chunks(hidden.shape[0], ctx.rows):
+            h, g, t = hidden[c].detach().float(), grad[c].float()[:, None], _row_temperature(temperature, c)
+            d = torch.softmax(_scaled(torch.mm(h, w.t()), t), dim=-1).mul_(-g)
+            d.scatter_add_(1, targets[c].long()[:, None], g)
+            if isinstance(t, torch.Tensor):
+                d.div_(t.float().reshape(-1, 1))
+            elif t != 1.0:
+                d.div_(float(t))
+            if need_h:
+                torch.mm(d, w, out=grad_h[c])
+            if need_w:
+                grad_w.addmm_(d.t(), h)
+        return (None if grad_h is None else grad_h.to(hidden.dtype), None if grad_w is None else grad_w.to(weight.dtype),
+                None, None, None)

@@ -12,6 +12,7 @@ from nemo_rz.errors import DivergenceError
 from nemo_rz.generation.packing import Packed
 from nemo_rz.metrics import decomposition, routing_diff_tokens
 from nemo_rz.models import Decoder
+from nemo_rz.models.decoder import unpacked
 from nemo_rz.models.moe import recorded_routing
 from nemo_rz.runtime.weights import WeightsBundle
 
@@ -126,11 +127,18 @@ class Learner:
                                       f"(more than {MAX_WEIGHT_GROWTH:g}x)")
         return float(norm)
 
+    def _logprobs(self, ids: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """The policy's logprobs [B, T-1] where `mask` is set: the built-in Decoder runs the packed valid tokens
+        and its LM head only there (0 elsewhere); another policy (Megatron's) computes them its own way."""
+        if isinstance(self.model, Decoder):
+            return self.model.token_logprobs(ids, lengths, temperature, mask=mask)
+        return self.model.token_logprobs(ids, lengths, temperature)
+
     def rl_step(self, batch: Packed, advantages: torch.Tensor, what: str = "RL update") -> tuple[dict[str, float], torch.Tensor]:
         """One update; returns its metrics and the learner logprobs it used (detached, pre-update weights)."""
         self.model.train()
         with aux_loss.tapped(self.model, self.aux_losses) as taps:
-            lp = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature)
+            lp = self._logprobs(batch.input_ids, batch.lengths, batch.mask, self.temperature)
         valid = lp.detach()[batch.mask.bool()]
         nan, neg_inf = int(torch.isnan(valid).sum()), int(torch.isneginf(valid).sum())
         if nan:  # the learner's own numbers broke
@@ -150,7 +158,7 @@ class Learner:
     def sft_step(self, ids: torch.Tensor, lengths: torch.Tensor, target_mask: torch.Tensor, what: str = "warm-up") -> float:
         """Supervised warm-up: mean negative log-likelihood of the target tokens."""
         self.model.train()
-        lp = self.model.token_logprobs(ids, lengths)
+        lp = self._logprobs(ids, lengths, target_mask)
         loss = -(lp * target_mask).sum() / target_mask.sum()
         self._apply(loss, what)
         return float(loss.detach())
@@ -159,15 +167,20 @@ class Learner:
     def decompose(self, batch: Packed, weights_at_rollout: WeightsBundle, current_lp: torch.Tensor | None = None) -> dict[str, float]:
         """Kernel mismatch alone (rollout vs learner at the rollout's own weights) and lag alone."""
         self.model.eval()
-        now = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature) if current_lp is None else current_lp
+        now = self._logprobs(batch.input_ids, batch.lengths, batch.mask, self.temperature) if current_lp is None else current_lp
         current = {k: v.clone() for k, v in self.model.state_dict().items()}
         self.model.load_state_dict(weights_at_rollout.policy)
         with recorded_routing(self.model) as routing:
-            then = self.model.token_logprobs(batch.input_ids, batch.lengths, self.temperature)
+            then = self._logprobs(batch.input_ids, batch.lengths, batch.mask, self.temperature)
         self.model.load_state_dict(current)
         out = decomposition(batch.rollout_logprobs, now, then, batch.mask)
         if batch.rollout_routing is not None and routing:
             b, length = batch.input_ids.shape
-            experts = torch.cat([log[0].view(b, length, -1) for log in routing.values()], -1)[:, :-1]
+            packed = isinstance(self.model, Decoder)  # the built-in Decoder's forward ran the packed tokens
+
+            def padded(experts: torch.Tensor) -> torch.Tensor:
+                return (unpacked(experts, batch.lengths, length, -1) if packed else experts).view(b, length, -1)
+
+            experts = torch.cat([padded(log[0]) for log in routing.values()], -1)[:, :-1]
             out["routing_diff_tokens"] = routing_diff_tokens(batch.rollout_routing, experts, batch.mask)
         return out
