@@ -32,6 +32,7 @@ setup(
         # real checkpoints' tokenizers and chat templates, and GGUF files (dequantized by transformers)
         "hf": ["transformers>=4.56", "tokenizers", "jinja2", "gguf>=0.19", "accelerate"],
         "math": ["math-verify"],  # the `math` verifier
+        "bench": ["trl>=1.16,<1.17", "datasets"],  # benchmarks/vs_trl.py: TRL's GRPOTrainer (its 1.16 config fields and hooks)
         "dev": ["pytest", "hypothesis", "ruff", "transformers>=4.56", "tokenizers", "jinja2", "gguf>=0.19", "accelerate", "math-verify",
                 "triton>=3.7", "torchao>=0.18,<0.19"],  # torchao: the MX/NVFP4 cross-checks in test_quant.py
     },
