@@ -1,5 +1,9 @@
+import atexit
+import os
+import shutil
 import site
 import subprocess
+import tempfile
 import venv
 from pathlib import Path
 
@@ -9,6 +13,10 @@ import torch
 from nemo_rz import ops
 from nemo_rz.generation.packing import pack
 from nemo_rz.models import Decoder, DecoderConfig
+
+# Probe results (ops/probe_cache.py) of this session only, never the user's cache (child processes inherit it).
+os.environ["NEMO_RZ_CACHE_DIR"] = tempfile.mkdtemp(prefix="nemo-rz-test-probes-")
+atexit.register(shutil.rmtree, os.environ["NEMO_RZ_CACHE_DIR"], True)
 
 
 def tiny_model(seed: int = 0, **overrides) -> Decoder:

@@ -17,6 +17,10 @@ the transposed view of a [N, K] Linear weight, calls of up to 15 rows take other
 matrix-vector product) always takes another path; and MKL switches paths at some row count that depends on the
 shape (between 128 and 200 rows for K=4864, N=896), hence several chunk sizes.
 
+Results are kept on disk for later processes (probe_cache.py: keyed by the machine and software). A loaded route
+is checked once per process at a small cost (`route_holds`: a few row counts against one reference call) and
+probed again if the check fails; a loaded "no" (None, or False for bmm) needs no check, as it only costs speed.
+
 `NEMO_RZ_VERIFIED=0` turns the library routes off (fixed tiles everywhere).
 """
 from __future__ import annotations
@@ -30,6 +34,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from nemo_rz.ops import probe_cache
+
+PROBE_VERSION = 1  # bump when a probe's logic, inputs or row counts change: results cached on disk are then ignored
 CHUNK_ROWS = (256, 128, 64)  # chunk sizes tried, largest first
 MAX_MIN_ROWS = 4  # a route may pad calls up to this many rows, no more
 # Row counts probed (those below the chunk size) against one call of a whole chunk: every count up to 17 (small
@@ -38,6 +45,12 @@ MAX_MIN_ROWS = 4  # a route may pad calls up to this many rows, no more
 PROBE_ROWS = tuple(range(1, 18)) + (23, 31, 32, 33, 47, 63, 64, 65, 96, 127, 128, 129, 191, 200, 255, 256, 257,
                                     511, 512, 513, 1000, 1023, 1024, 1025, 2047, 2048, 2049, 4095)
 BMM_ROWS = (4, 8, 16, 32)  # per-matrix row counts a batched product may be called with (attention tiles)
+ROWWISE_CHUNKS = (4096, 2048, 1024, 512, 256, 128, 64, 32)
+ROWWISE_ELEMENTS = 1 << 22  # the most elements in one row-wise chunk
+# A loaded route's check: one reference call of its chunk (or of as many rows as this many multiply-adds allow,
+# at least CHECK_MIN_ROWS), then calls of fewer rows while their cost stays within it.
+CHECK_MACS = 1 << 27
+CHECK_MIN_ROWS = 8
 
 _ALIGN = 64  # bytes: the CPU allocator's alignment; a view off it is copied, so the library sees what the probe saw
 _ENABLED = os.environ.get("NEMO_RZ_VERIFIED", "1") != "0"
@@ -101,12 +114,12 @@ def by_rows(fn: Callable, x: torch.Tensor, route: Route, width: int | None = Non
         return torch.cat(parts) if width is None else out
 
 
-def failing_rows(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> list[int]:
-    """The probed row counts M (below C) for which fn, a row-wise map of [M, K] -> [M, N], gives some row of
+def failing_rows(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, counts=PROBE_ROWS) -> list[int]:
+    """The row counts M in `counts` (below C) for which fn, a row-wise map of [M, K] -> [M, N], gives some row of
     `rows` ([C, K]) other bits than one call on all C rows."""
     reference, total = fn(rows), rows.shape[0]
     bad = []
-    for m in (m for m in PROBE_ROWS if m < total):
+    for m in (m for m in counts if m < total):
         start = (m * 37) % (total - m + 1)  # rows from all over the reference
         # A fresh (aligned, contiguous) input, as by_rows hands the library.
         if not torch.equal(fn(rows[start : start + m].clone()), reference[start : start + m]):
@@ -114,8 +127,11 @@ def failing_rows(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor)
     return bad
 
 
-def verified(kind: str, key: tuple, probe: Callable[[], object]):
-    """probe()'s result for (kind, key), computed once per process; None where library routes are off."""
+def verified(kind: str, key: tuple, probe: Callable[[], object], check: Callable[[object], bool] | None = None):
+    """probe()'s result for (kind, key), computed once per process; None where library routes are off.
+
+    With `check` (True where a result, as read back from JSON, holds here: cheaper than the probe), the result is
+    also kept on disk (probe_cache), and one found there is used once it passes the check."""
     if not _ENABLED:
         return None
     full_key = (kind, *key)
@@ -123,8 +139,56 @@ def verified(kind: str, key: tuple, probe: Callable[[], object]):
         with _LOCK:
             if full_key not in _RESULTS:
                 with torch.no_grad(), one_thread():
-                    _RESULTS[full_key] = probe()
+                    _RESULTS[full_key] = _probe_or_load(full_key, probe, check)
     return _RESULTS[full_key]
+
+
+def _probe_or_load(full_key: tuple, probe: Callable[[], object], check: Callable[[object], bool] | None):
+    if check is None or not probe_cache.enabled():
+        return probe()
+    machine = probe_cache.machine_key(PROBE_VERSION, torch.get_num_threads())  # (1: probes run on one thread)
+    found, stored = probe_cache.lookup(full_key, machine)
+    if found:
+        is_route = isinstance(stored, list) and len(stored) == 2 and all(type(v) is int for v in stored)
+        value = Route(*stored) if is_route else stored
+        if check(value):
+            return value
+        probe_cache.warn(f"the stored result {stored!r} for {probe_cache.entry_name(full_key)} fails its check here; "
+                         "probing again")
+    value = probe()
+    probe_cache.store(full_key, [value.chunk, value.min_rows] if isinstance(value, Route) else value, machine)
+    return value
+
+
+def _varied(rows: int, cols: int, scale: float, dtype, device) -> torch.Tensor:
+    """[rows, cols] varied values, cheap to make (a short random run repeated at an odd period)."""
+    run = torch.randn(4093, generator=torch.Generator().manual_seed(cols)) * scale
+    total = rows * cols
+    return run.repeat(-(-total // run.numel()))[:total].view(rows, cols).to(dtype=dtype, device=device)
+
+
+def route_holds(make_fn: Callable[[], Callable[[torch.Tensor], torch.Tensor]], route, features: int, dtype, device,
+                row_macs: int, chunks: tuple[int, ...]) -> bool:
+    """Whether `route`, read back for fn = make_fn() on [M, features] rows (row_macs multiply-adds a row), is one
+    the probe can give (a chunk it tries, min_rows up to MAX_MIN_ROWS) and passes a spot check: calls of min_rows
+    rows (where paths change most), then top - 1, top // 2 + 1 and min_rows + 1 while within CHECK_MACS, against
+    one call of `top` rows (the chunk, or as many rows as CHECK_MACS allows). None (no route) always holds."""
+    if route is None:
+        return True
+    if not (isinstance(route, Route) and route.chunk in chunks and 1 <= route.min_rows <= MAX_MIN_ROWS):
+        return False
+    top = min(route.chunk, max(CHECK_MIN_ROWS, CHECK_MACS // row_macs))
+    counts, spent = [], 0
+    for m in dict.fromkeys((route.min_rows, top - 1, top // 2 + 1, route.min_rows + 1)):
+        if m < top and (not counts or spent + m * row_macs <= CHECK_MACS):
+            counts.append(m)
+            spent += m * row_macs
+    return not failing_rows(make_fn(), _varied(top, features, 4.0, dtype, device), counts)
+
+
+def _on_cpu(device, check: Callable[[object], bool]) -> Callable[[object], bool] | None:
+    """`check` for a CPU probe; None (not kept on disk: the machine key describes no GPU) for other devices."""
+    return check if torch.device(device).type == "cpu" else None
 
 
 def _route(fn: Callable[[torch.Tensor], torch.Tensor], features: int, dtype, device,
@@ -147,7 +211,12 @@ def matmul_route(k: int, n: int, dtype: torch.dtype, device) -> Route | None:
         w_t = (torch.randn(k, n, generator=g) / k ** 0.5).to(dtype=dtype, device=device)
         return _route(lambda x: torch.mm(x, w_t), k, dtype, device)
 
-    return verified("mm", (k, n, dtype, str(device)), probe)
+    def product():
+        w_t = _varied(k, n, k ** -0.5, dtype, device)
+        return lambda x: torch.mm(x, w_t)
+
+    check = _on_cpu(device, lambda route: route_holds(product, route, k, dtype, device, k * n, CHUNK_ROWS))
+    return verified("mm", (k, n, dtype, str(device)), probe, check)
 
 
 def rowwise_route(name: str, fn: Callable[[torch.Tensor], torch.Tensor], features: int, dtype: torch.dtype,
@@ -159,14 +228,16 @@ def rowwise_route(name: str, fn: Callable[[torch.Tensor], torch.Tensor], feature
     SIMD steps. Chunks hold up to 4M elements (16 MB in float32, up to 4096 rows): a training batch of hidden
     states is rarely cut, and a chunk of logits stays below glibc's mmap threshold, so its temporaries reuse
     heap memory instead of faulting in fresh pages on every call (expensive on these VMs)."""
-    chunks = tuple(c for c in (4096, 2048, 1024, 512, 256, 128, 64, 32) if c * features <= 1 << 22) or (32,)
-    return verified(name, (features, dtype, str(device)), lambda: _route(fn, features, dtype, device, chunks))
+    chunks = tuple(c for c in ROWWISE_CHUNKS if c * features <= ROWWISE_ELEMENTS) or (ROWWISE_CHUNKS[-1],)
+    check = _on_cpu(device, lambda route: route_holds(lambda: fn, route, features, dtype, device, features, chunks))
+    return verified(name, (features, dtype, str(device)), lambda: _route(fn, features, dtype, device, chunks), check)
 
 
 def bmm_verified(k: int, n: int, dtype: torch.dtype, device) -> bool:
     """Is torch.bmm row-invariant here for contiguous [C, R, k] @ [C, k, n], over the row counts R in BMM_ROWS
     and any batch count C (each row's bits independent of R, of C and of the other rows of its matrix)?
-    (As for GEMM, a transposed second operand takes other paths: for k >= 96 those are not row-invariant.)"""
+    (As for GEMM, a transposed second operand takes other paths: for k >= 96 those are not row-invariant.)
+    The probe is cheap (about 1 ms), so a stored True is checked by probing again; a stored False is used as is."""
 
     def probe() -> bool:
         g = torch.Generator().manual_seed(k * 7919 + n)
@@ -182,4 +253,5 @@ def bmm_verified(k: int, n: int, dtype: torch.dtype, device) -> bool:
                         return False
         return True
 
-    return bool(verified("bmm", (k, n, dtype, str(device)), probe))
+    check = _on_cpu(device, lambda ok: ok is False or (ok is True and probe()))
+    return bool(verified("bmm", (k, n, dtype, str(device)), probe, check))
