@@ -171,15 +171,16 @@ def route_holds(make_fn: Callable[[], Callable[[torch.Tensor], torch.Tensor]], r
                 row_macs: int, chunks: tuple[int, ...]) -> bool:
     """Whether `route`, read back for fn = make_fn() on [M, features] rows (row_macs multiply-adds a row), is one
     the probe can give (a chunk it tries, min_rows up to MAX_MIN_ROWS) and passes a spot check: calls of min_rows
-    rows (where paths change most), then top - 1, top // 2 + 1 and min_rows + 1 while within CHECK_MACS, against
-    one call of `top` rows (the chunk, or as many rows as CHECK_MACS allows). None (no route) always holds."""
+    rows (where paths change most), then top // 2 + 1 (past a power of two, where blocking changes) and
+    min_rows + 1 while within CHECK_MACS, against one call of `top` rows (the chunk, or as many rows as CHECK_MACS
+    allows). None (no route) always holds."""
     if route is None:
         return True
     if not (isinstance(route, Route) and route.chunk in chunks and 1 <= route.min_rows <= MAX_MIN_ROWS):
         return False
     top = min(route.chunk, max(CHECK_MIN_ROWS, CHECK_MACS // row_macs))
     counts, spent = [], 0
-    for m in dict.fromkeys((route.min_rows, top - 1, top // 2 + 1, route.min_rows + 1)):
+    for m in dict.fromkeys((route.min_rows, top // 2 + 1, route.min_rows + 1)):
         if m < top and (not counts or spent + m * row_macs <= CHECK_MACS):
             counts.append(m)
             spent += m * row_macs
