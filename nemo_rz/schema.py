@@ -12,6 +12,10 @@ other settings and this machine (usable_cpus(), available_memory(): a lower boun
 and task.options are checked against the task's declared options (nemo_rz.tasks.options): all before any
 process starts.
 
+typed(cfg) gives a validated config as a Config of frozen dataclasses, one per section, whose fields are
+SCHEMA's keys (derived from it: no second list): components take their own section, and a misspelt attribute
+raises.
+
 A new key: add it to conf/default.yaml (with a comment) and a line to SCHEMA; tests/test_config.py checks
 that the two agree and that the defaults pass.
 """

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from nemo_rz import config, train
 from nemo_rz.runtime import build, checkpoint
+from nemo_rz.runtime.jobs import Job
 from nemo_rz.runtime.trainer import Trainer
 from nemo_rz.tasks import Problem
 
@@ -156,6 +157,20 @@ def test_results_pending_in_a_checkpoint_are_scored_against_their_answers_also_f
     full = load_file(checkpoint.latest(tmp_path / "full" / "checkpoints") / "model.safetensors")
     assert all(torch.equal(full[k], final["its answers"][k]) and torch.equal(full[k], final["none"][k]) for k in full)
     assert not all(torch.equal(full[k], final["batch 2's answers"][k]) for k in full)
+
+
+def test_answers_must_match_the_prompts_and_a_checkpoint_whose_answers_do_not_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"^job 0: 2 answers for 1 prompts; give one per prompt$"):
+        Job(0, 0, [[1]], 1, 1.0, seed=0, stop_token_ids=(), answers=["3", "4"])
+    row = ([1], [2], b"\0" * 4, 0, "stop")
+    state = dict(version=0, counts={}, lags=[], is_dev={"values": [], "n_nonfinite": 0}, evals=[(0, 0.0)], max_grad_norm=0.0,
+                 pending={1: (0, 0, [row, row], 0.5, {}, ["3", "4"])}, torch_rng=torch.get_rng_state(), elapsed=0.0)
+    checkpoint.check_trainer_state(tmp_path / "step_000000", state)  # one answer per completion
+    state["pending"][1] = (0, 0, [row, row], 0.5, {})  # written before Job.answers: none
+    checkpoint.check_trainer_state(tmp_path / "step_000000", state)
+    state["pending"][1] = (0, 0, [row, row], 0.5, {}, ["3"])
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=r"state.pt\['pending'\]\[1\] holds 1 answers for 2 completions"):
+        checkpoint.check_trainer_state(tmp_path / "step_000000", state)
 
 
 def test_a_reward_function_that_raises_costs_the_sample_not_the_run(tmp_path):

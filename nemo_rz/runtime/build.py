@@ -43,8 +43,7 @@ def build(cfg: schema.Config) -> Parts:
 
 
 def check_generation_backend(name: str) -> None:
-    if name not in ("builtin", "vllm"):
-        raise ValueError(f"generation.backend = {name!r}: use builtin or vllm")
+    """generation.backend=vllm needs vLLM installed (the name itself is checked by schema.typed)."""
     if name == "vllm":
         from nemo_rz.generation.vllm import vllm_available
 
@@ -151,14 +150,13 @@ def worker_kwargs(cfg: schema.Config, parts: Parts) -> dict:
 
 
 def backend(r: schema.RuntimeSection, max_lag: int, worker_kwargs: dict, weights: dict) -> RuntimeBackendProtocol:
-    """runtime.backend's rollout workers, started with `weights` (local) and max_lag + 1 weight versions in flight."""
-    if r.backend == "local":
-        from nemo_rz.runtime.local import LocalBackend
-
-        return LocalBackend(worker_kwargs, weights, r.rollout_workers, max_lag + 1, r.crash_worker_at_batch,
-                            heartbeat_s=r.worker_heartbeat_s)
+    """runtime.backend's rollout workers (local or ray, as schema.typed checked), started with `weights` (local)
+    and max_lag + 1 weight versions in flight."""
     if r.backend == "ray":
         from nemo_rz.runtime.ray_backend import RayBackend
 
         return RayBackend(worker_kwargs, r.rollout_workers, max_lag + 1, r.crash_worker_at_batch, heartbeat_s=r.worker_heartbeat_s)
-    raise ValueError(f"runtime.backend = {r.backend!r}: use local or ray")
+    from nemo_rz.runtime.local import LocalBackend
+
+    return LocalBackend(worker_kwargs, weights, r.rollout_workers, max_lag + 1, r.crash_worker_at_batch,
+                        heartbeat_s=r.worker_heartbeat_s)
