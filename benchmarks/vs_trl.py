@@ -12,7 +12,7 @@ number of the reply, 0 without <|im_end|>).
   TRL       GRPOTrainer (trl 1.16): per_device_train_batch_size = generation_batch_size = 32, num_generations 8,
             gradient_accumulation_steps 1, so one optimizer step is one generation of 32 completions of 4 prompts;
             transformers generate (no vLLM), beta 0, bf16 off, gradient checkpointing off (TRL's default is on:
-            --trl-gradient-checkpointing), torch's default threads (both cores), no eval, no saving.
+            --trl-gradient-checkpointing), torch's default threads (both cores; --trl-threads), no eval, no saving.
 Held-out eval: TRL has none by default, so nemo-rz's is cut to eval.every=0 eval.n=1 (one greedy prompt at the start
 and the end, outside the timed updates); the recipe's kernel/lag decomposition (an extra learner forward every 5th
 update), checkpoints, TensorBoard and the progress bar are off as well.
@@ -69,11 +69,12 @@ def prompts_child(out: str, updates: int, overrides: list[str]) -> None:
     batches = []
     for u in range(updates):
         job = trainer.job(u)
-        batches.append(dict(batch=u, prompts=job.prompts[::g], answers=job.answers[::g], stop_token_ids=list(job.stop_token_ids)))
+        answers = getattr(job, "answers", None) or trainer.answers(u)  # Job.answers, or Trainer.answers(u) before it
+        batches.append(dict(batch=u, prompts=job.prompts[::g], answers=answers[::g], stop_token_ids=list(job.stop_token_ids)))
     Path(out).write_text(json.dumps(dict(group_size=g, batches=batches)))
 
 
-def trl_child(batches_file: str, out: str, overrides: list[str], gradient_checkpointing: bool) -> None:
+def trl_child(batches_file: str, out: str, overrides: list[str], gradient_checkpointing: bool, threads: int) -> None:
     """TRL's GRPOTrainer on nemo-rz's batches; writes per-step end times and what each step generated and trained."""
     import torch
     from datasets import Dataset
@@ -83,6 +84,8 @@ def trl_child(batches_file: str, out: str, overrides: list[str], gradient_checkp
     from nemo_rz import config
     from nemo_rz.tasks import make_task
 
+    if threads:
+        torch.set_num_threads(threads)
     cfg = config.load(CONFIG, overrides)
     a, path = cfg.algo, cfg.model.hf_path
     data = json.loads(Path(batches_file).read_text())
@@ -241,7 +244,8 @@ def run_nemo(tag: str, base: Path, args, extra: list[str], env: dict) -> dict:
 
 def run_trl(tag: str, base: Path, args, batches: Path, env: dict) -> dict:
     out = base / f"{tag}.json"
-    cmd = [sys.executable, __file__, "--trl-child", str(batches), str(out), str(int(args.trl_gradient_checkpointing))]
+    cmd = [sys.executable, __file__, "--trl-child", str(batches), str(out), str(int(args.trl_gradient_checkpointing)),
+           str(args.trl_threads)]
     m = measure(cmd, base / f"{tag}.log", env)
     r = json.loads(out.read_text())
     steps = r["steps"]
@@ -268,7 +272,7 @@ def main(argv=None) -> int:
         prompts_child(argv[1], int(argv[2]), argv[3:])
         return 0
     if argv and argv[0] == "--trl-child":
-        trl_child(argv[1], argv[2], [], bool(int(argv[3])))
+        trl_child(argv[1], argv[2], [], bool(int(argv[3])), int(argv[4]))
         return 0
     extra = []
     if "--" in argv:
@@ -281,6 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 updates, 1 round")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true",
                     help="TRL with its default gradient checkpointing (one more forward per update)")
+    ap.add_argument("--trl-threads", type=int, default=0, help="torch threads of the TRL process (0: torch's default, every core)")
     ap.add_argument("--out", default="benchmarks/plots/vs_trl.json")
     args = ap.parse_args(argv)
     if args.quick:
@@ -358,7 +363,8 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(dict(
         date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(), cpus=os.cpu_count(), argv=sys.argv,
         config=CONFIG, nemo_overrides=TIMING + extra, sync_overrides=SYNC, updates=args.updates, rounds=args.rounds,
-        trl_gradient_checkpointing=args.trl_gradient_checkpointing, ratio=statistics.median(ratios), ratios=ratios,
+        trl_gradient_checkpointing=args.trl_gradient_checkpointing, trl_threads=args.trl_threads,
+        ratio=statistics.median(ratios), ratios=ratios,
         trl_s_per_update=trl_s, nemo_s_per_update=nemo_s, work_limit=limit, runs=runs, sync_runs=sync,
     ), indent=2))
     print(f"\nwrote {out}")
