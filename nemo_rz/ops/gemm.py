@@ -57,7 +57,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     route = matmul_route(k, n, x.dtype, x.device)
     if route is not None:
         w_t = weight_t(weight, x.dtype)
-        if x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu" and matvec_verified(k, n, route):
+        if x.shape[0] == 1 and x.dtype == torch.float32 and x.is_cpu and matvec_verified(k, n, route):
             return cpu_kernels.matvec(x, w_t)
         return _gemm(x, w_t, route)
     return from_tiles(tiled_matmul(to_tiles(x), weight.to(x.dtype).t()), x.shape[0])

@@ -12,7 +12,6 @@ line for a failed build) and callers keep their pure-torch route.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import platform
@@ -27,6 +26,8 @@ MKL_BLOCK = 384  # rows of w_t per accumulator block in MKL's order (matvec.cpp'
 _SOURCES = ("matvec.cpp",)
 _FLAGS = ("-O3", "-march=native", "-std=c++17")
 _LOCK = threading.Lock()
+_UNLOADED = object()
+_TAG: object = _UNLOADED  # what _load gave, once it ran
 
 
 def _cpu_id() -> str:
@@ -55,7 +56,6 @@ def _build_dir() -> tuple[str, Path]:
     return tag, base / "torch_extensions" / f"nemo_rz_cpu_{tag}"
 
 
-@functools.lru_cache(maxsize=None)
 def _load() -> str | None:
     """Build (once per machine) and load the extension; its build tag, or None where it cannot be had."""
     if os.environ.get("NEMO_RZ_CPP", "1") == "0":
@@ -79,16 +79,20 @@ def _load() -> str | None:
     return tag
 
 
+def build_tag() -> str | None:
+    """The loaded build's tag (sources, flags, torch, CPU), or None where there is none (building it on the first
+    call): part of any cached fact about its results."""
+    global _TAG
+    if _TAG is _UNLOADED:
+        with _LOCK:
+            if _TAG is _UNLOADED:
+                _TAG = _load()
+    return _TAG
+
+
 def available() -> bool:
     """Are the C++ kernels built and loaded (building them on the first call)?"""
-    with _LOCK:
-        return _load() is not None
-
-
-def build_tag() -> str | None:
-    """The loaded build's tag (sources, flags, torch, CPU), or None: part of any cached fact about its results."""
-    with _LOCK:
-        return _load()
+    return build_tag() is not None
 
 
 def matvec(x: torch.Tensor, w_t: torch.Tensor, block: int = MKL_BLOCK, simd: bool = True) -> torch.Tensor:
