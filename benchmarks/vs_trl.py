@@ -20,8 +20,9 @@ update), checkpoints, TensorBoard and the progress bar are off as well.
 Each run is a fresh child; rounds alternate TRL, nemo-rz (--rounds). Per run, over updates 2..N (update 1 is
 warm-up): s/update = the median gap between consecutive update ends (nemo-rz: metrics.jsonl elapsed_s; TRL: a
 callback's on_step_end), updates/s = 1 / that. The ratio nemo/TRL is taken within a round, the table gives the
-median. Peak memory: the child's process tree (the trainer and its rollout worker) sampled every 0.2 s, sum of RSS
-and of PSS (shared pages counted once), and ru_maxrss of the largest single process.
+median; "cores it got" is the child's CPU seconds over its wall time (startup included). Peak memory: the child's
+process tree (the trainer and its rollout worker) sampled every 0.2 s, sum of RSS and of PSS (shared pages counted
+once), and ru_maxrss of the largest single process.
 
 The 2-core work limit: one nemo-rz run with algo.max_lag=0 and one thread per side (--sync-runs) gives the
 single-thread phase times R1 (rollout_s) and T1 (learn_s), measured without overlap; (R1 + T1) / 2 is the
@@ -217,7 +218,7 @@ def measure(cmd: list[str], log: Path, env: dict) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}); last lines of {log}:\n"
                          + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
-    return dict(wall_s=wall, own_cpu_s=own, others_cores=max(0.0, cpu_busy() - busy0 - own) / wall,
+    return dict(wall_s=wall, own_cpu_s=own, cores_got=own / wall, others_cores=max(0.0, cpu_busy() - busy0 - own) / wall,
                 peak_rss_gb=peak["rss"] / 1e9, peak_pss_gb=peak["pss"] / 1e9, max_single_rss_gb=usage.ru_maxrss * 1024 / 1e9)
 
 
@@ -337,14 +338,14 @@ def main(argv=None) -> int:
                      ratio_at_limit=trl_s / ((r1 + t1) / 2))
     print()
     print("| side | s/update | updates/s | nemo/TRL updates/s | rollout s | learn s | generated tok/update | "
-          "peak RSS GB (tree) | peak PSS GB | largest process GB | other tenants (cores) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "peak RSS GB (tree) | peak PSS GB | largest process GB | other tenants (cores) | cores it got |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for side in ("TRL", "nemo-rz"):
         ratio = f"{statistics.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})" if side == "nemo-rz" else "1"
         print(f"| {side} | {med(side, 's_per_update'):.1f} | {1 / med(side, 's_per_update'):.4f} | {ratio} | "
               f"{med(side, 'rollout_s'):.1f} | {med(side, 'learn_s'):.1f} | {med(side, 'generated_tokens'):.0f} | "
               f"{med(side, 'peak_rss_gb'):.2f} | {med(side, 'peak_pss_gb'):.2f} | {med(side, 'max_single_rss_gb'):.2f} | "
-              f"{med(side, 'others_cores'):.2f} |")
+              f"{med(side, 'others_cores'):.2f} | {med(side, 'cores_got'):.2f} |")
     if limit:
         print(f"\n2-core work limit (R1 + T1) / 2 = ({limit['R1_s']:.1f} + {limit['T1_s']:.1f}) / 2 = {limit['work_limit_s']:.1f} "
               f"s/update -> at most {limit['ratio_at_limit']:.2f}x TRL's updates/s (sync run: {limit['sync_s_per_update']:.1f} s/update)")
