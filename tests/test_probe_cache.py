@@ -125,6 +125,16 @@ def test_the_cache_can_be_turned_off(cache, monkeypatch):
     assert probes.count == 2 and list(cache.iterdir()) == []
 
 
+def test_a_result_without_a_check_is_not_kept(cache, monkeypatch):
+    """verified() keeps on disk only what it can check on load (not, say, a GPU probe: the key describes no GPU)."""
+    calls = []
+    assert verified.verified("unchecked", (1,), lambda: calls.append(1) or True) is True
+    new_process(monkeypatch)
+    assert verified.verified("unchecked", (1,), lambda: calls.append(1) or True) is True
+    assert len(calls) == 2 and list(cache.iterdir()) == []
+    assert verified._on_cpu("cuda:0", lambda value: True) is None
+
+
 @pytest.mark.parametrize("damage", [b"{not json", b"\xff\xfe\x00", b'{"machine": {"format": 1}, "entries": {}}', b"[]", b""])
 def test_a_corrupt_file_is_ignored_and_rewritten(cache, monkeypatch, capfd, damage):
     first = route()

@@ -187,10 +187,3 @@ def _locked(path: Path):
     finally:
         os.close(fd)  # (closing drops the lock)
 
-
-def forget() -> None:
-    """Drop what this process has read (the next lookup reads the files again)."""
-    global _warned
-    with _lock:
-        _files.clear()
-        _warned = False
