@@ -220,6 +220,9 @@ class Decoder(nn.Module):
         run the packed valid tokens (Decoder.packed), without it the whole [B, T] batch; the bits are the same."""
         b, length = input_ids.shape
         dev = input_ids.device
+        if mask is not None and mask.shape != (b, length - 1):
+            raise ValueError(f"token_logprobs: mask is {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)} "
+                             f"needs [{b}, {length - 1}] (one entry per predicted token)")
         want = torch.ones(b, length - 1, dtype=torch.bool, device=dev)
         if lengths is None:
             hidden = self.hidden(self.tokens(input_ids))
@@ -230,9 +233,6 @@ class Decoder(nn.Module):
             want &= torch.arange(length - 1, device=dev)[None, :] < (lengths[:, None] - 1)
             starts = torch.cumsum(lengths, 0) - lengths
         if mask is not None:
-            if mask.shape != want.shape:
-                raise ValueError(f"token_logprobs: mask is {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)} "
-                                 f"needs [{b}, {length - 1}] (one entry per predicted token)")
             want &= mask.to(dev) != 0
         where = want.reshape(-1).nonzero().squeeze(1)
         seq, pos = where // max(length - 1, 1), where % max(length - 1, 1)
