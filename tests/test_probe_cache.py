@@ -94,7 +94,7 @@ def test_a_new_process_does_not_probe_again(cache):
     assert outs[0].rsplit(maxsplit=1)[0] == outs[1].rsplit(maxsplit=1)[0]
 
 
-@pytest.mark.parametrize("change", ["torch version", "cpu flags", "probe version", "blas path variable"])
+@pytest.mark.parametrize("change", ["torch version", "cpu flags", "probe version", "ops sources", "blas path variable"])
 def test_a_changed_machine_key_probes_again(cache, monkeypatch, change):
     probes = Probes(monkeypatch)
     route()
@@ -109,6 +109,8 @@ def test_a_changed_machine_key_probes_again(cache, monkeypatch, change):
         monkeypatch.setattr(probe_cache, "cpu_description", lambda: {**real, "flags": real.get("flags", "") + " newflag"})
     elif change == "probe version":
         monkeypatch.setattr(verified, "PROBE_VERSION", verified.PROBE_VERSION + 1)
+    elif change == "ops sources":
+        monkeypatch.setattr(probe_cache, "ops_sources_digest", lambda: "edited")
     else:
         monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
     route()

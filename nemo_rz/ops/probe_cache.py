@@ -4,7 +4,8 @@ A probe's result depends on the machine and the software under it, so results li
 key: the CPU (model and flags from /proc/cpuinfo, else platform.processor()), torch's version and build (its
 config, which names the BLAS and oneDNN vendors and versions and the CPU capability in use), the environment
 variables that pick other BLAS or ATen code paths, the probe version (verified.PROBE_VERSION, bumped when probe
-logic changes) and the probe's thread count. Probes run on one thread whatever the process's count, so that count
+logic changes), a digest of the ops sources (the probed row-wise functions live there: editing one probes again)
+and the probe's thread count. Probes run on one thread whatever the process's count, so that count
 is 1 in every key: a 2-thread learner and a 1-thread rollout worker share one file, as they share one route.
 Entries are keyed by kind, shape key, dtype and device (CPU only: the key says nothing about a GPU).
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -76,11 +78,21 @@ def cpu_description() -> dict[str, str]:
     return fields or {"processor": platform.processor(), "machine": platform.machine()}
 
 
+@functools.cache
+def ops_sources_digest() -> str:
+    """A digest of this package's ops/*.py (read once per process)."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:20]
+
+
 def machine_key(probe_version: int, probe_threads: int) -> dict:
     """Everything besides the entry's own key that can change a probe's result."""
     return {
         "format": FORMAT,
         "probe_version": probe_version,
+        "ops_sources": ops_sources_digest(),
         "probe_threads": probe_threads,
         "cpu": cpu_description(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

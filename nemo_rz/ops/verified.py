@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from nemo_rz.ops import probe_cache
 
-PROBE_VERSION = 1  # bump when a probe's logic, inputs or row counts change: results cached on disk are then ignored
+PROBE_VERSION = 1  # part of the probe cache key: bump when probe logic changes outside ops/ (edits inside re-probe anyway)
 CHUNK_ROWS = (256, 128, 64)  # chunk sizes tried, largest first
 MAX_MIN_ROWS = 4  # a route may pad calls up to this many rows, no more
 # Row counts probed (those below the chunk size) against one call of a whole chunk: every count up to 17 (small
