@@ -20,6 +20,7 @@ from nemo_rz.models import families
 from nemo_rz.models.decoder import Decoder
 from nemo_rz.models.families.base import gguf_names
 from nemo_rz.models.hf_config import ModelFileError, config_from_hf
+from nemo_rz.models.layers import laid_out_like
 
 # general.architecture values nemo_rz can run (Mistral GGUFs are written as "llama"): the families' gguf_arch
 ARCHITECTURES = families.gguf_architectures()
@@ -216,5 +217,7 @@ def load_gguf(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -
     if bad:
         raise ModelFileError(f"non-finite values (NaN/Inf) in {len(bad)} tensor(s) of {path}, e.g. {bad[0]}; "
                              "the file is corrupt, re-download it")
-    model.load_state_dict({k: v.to(cfg.torch_dtype).contiguous() for k, v in state.items()}, strict=True, assign=True)
+    # each tensor in its parameter's layout (a Linear weight's [K, N] storage, models/layers.py)
+    state = {k: laid_out_like(v, expected[k], cfg.torch_dtype) if k in expected else v for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

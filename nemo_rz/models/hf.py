@@ -31,6 +31,7 @@ from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.decoder import Decoder
 from nemo_rz.models.families import qwen3_moe
 from nemo_rz.models.hf_config import CONFIG_FILE, ModelFileError, architecture_of, config_from_hf, hf_config
+from nemo_rz.models.layers import laid_out_like
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -232,19 +233,22 @@ def _check(found: dict[str, tuple[tuple, str]], expected: dict[str, tuple], wher
 
 
 def _read(files: list[Path], found: dict, convert) -> dict[str, torch.Tensor]:
-    """convert(tensor) of every tensor in `found`, each file opened once."""
+    """convert(name, tensor) of every tensor in `found`, each file opened once."""
     out = {}
     for file in files:
         with _open(file) as f:
             for name in f.keys():
                 if found.get(name, (None,))[0] == file:
-                    out[name] = convert(f.get_tensor(name))
+                    out[name] = convert(name, f.get_tensor(name))
     return out
 
 
-def _owned(t: torch.Tensor, cfg: DecoderConfig) -> torch.Tensor:
+def _owned(t: torch.Tensor, cfg: DecoderConfig, like: torch.Tensor | None) -> torch.Tensor:
     # An owned copy: get_tensor's result can sit inside the file's buffer, off the 64-byte alignment that
-    # row-invariant BLAS paths and fast SIMD loads expect (and tied to a mapping of the file).
+    # row-invariant BLAS paths and fast SIMD loads expect (and tied to a mapping of the file). In the layout of
+    # the parameter `like` it becomes (a Linear weight's [K, N] storage, models/layers.py), where there is one.
+    if like is not None and tuple(like.shape) == tuple(t.shape):
+        return laid_out_like(t, like, cfg.torch_dtype)
     return t.to(cfg.torch_dtype).clone(memory_format=torch.contiguous_format)
 
 
@@ -258,14 +262,15 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: di
     (`quantization`: config.json's quantization_config) decoded exactly to float first. `headers`: the files'
     _headers(), when already read."""
     cfg = model.config
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    params = model.state_dict()  # on the meta device: each parameter's shape and layout
+    shapes = {name: tuple(t.shape) for name, t in params.items()}
     found = _found(files, cfg, headers, arch)
     where = _where(files)
     if quantization:
         from nemo_rz.quant.checkpoints import dequantized
 
         try:
-            tensors = dequantized(_read(files, found, lambda t: t), quantization)
+            tensors = dequantized(_read(files, found, lambda n, t: t), quantization)
         except ValueError as e:
             raise ModelFileError(f"{where}: {e}") from None
         found = {n: (None, tuple(t.shape), _SAFETENSORS_NAMES.get(t.dtype, str(t.dtype))) for n, t in tensors.items()}
@@ -273,8 +278,8 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: di
     per_expert = layout is not None and any(layout.search(name) for name in found)
     expected = _per_expert_shapes(shapes, cfg, arch) if per_expert else shapes
     _check({n: (shape, dtype) for n, (_, shape, dtype) in found.items()}, expected, where, arch, cfg)
-    own = lambda t: _owned(t, cfg)  # noqa: E731
-    out = {n: own(t) for n, t in tensors.items()} if quantization else _read(files, found, own)
+    own = lambda n, t: _owned(t, cfg, params.get(n))  # noqa: E731
+    out = {n: own(n, t) for n, t in tensors.items()} if quantization else _read(files, found, own)
     nonfinite = [n for n, t in out.items() if not bool(torch.isfinite(t).all())]
     if nonfinite:
         raise ModelFileError(

@@ -3,6 +3,10 @@ and the two layer shapes (pre-norm, as Qwen/Llama/Mistral/gpt-oss; sandwich, as 
 what layer i is made of: its attention window and RoPE, and a dense MLP or a mixture of experts (models/moe.py).
 
 Parameter names are the Hugging Face ones (`self_attn.q_proj.weight`, `mlp.gate_proj.weight`, ...).
+
+A linear weight is the usual [N, K] parameter (names, state dicts, autograd, checkpoints and Hugging Face export
+see nothing else) over contiguous [K, N] storage: `weight.t()` is the GEMM operand ops/gemm.py wants, so the
+weight is held once, not once more as a copy. In-place writes (`copy_`, optimizer steps) keep the layout.
 """
 from __future__ import annotations
 
@@ -16,10 +20,23 @@ from nemo_rz import ops
 from nemo_rz.models.config import DecoderConfig
 
 
+def forward_layout(n_out: int, n_in: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized [n_out, n_in] tensor over contiguous [n_in, n_out] storage (the Linear weight layout)."""
+    return torch.empty(n_in, n_out, dtype=dtype).t()
+
+
+def laid_out_like(t: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An owned `dtype` copy of t with the strides of `like` (a parameter, possibly on the meta device), for
+    load_state_dict(assign=True) to keep the parameter's layout; 64-byte aligned, as the CPU allocator gives."""
+    if tuple(t.shape) != tuple(like.shape):
+        raise ValueError(f"laid_out_like: tensor of shape {list(t.shape)} for a parameter of shape {list(like.shape)}")
+    return torch.empty_strided(like.shape, like.stride(), dtype=dtype, device=t.device).copy_(t)
+
+
 class Linear(nn.Module):
     def __init__(self, n_in: int, n_out: int, bias: bool, dtype: torch.dtype):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_out, n_in, dtype=dtype))
+        self.weight = nn.Parameter(forward_layout(n_out, n_in, dtype))
         self.bias = nn.Parameter(torch.zeros(n_out, dtype=dtype)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
 

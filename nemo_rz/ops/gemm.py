@@ -22,10 +22,13 @@ MATVEC_PROBE_ROWS = 16  # rows of a probe that compares the matrix-vector kernel
 
 
 def weight_t(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """weight [N, K] as a contiguous [K, N] `dtype` matrix, kept on the weight until it changes (weight_cache:
-    in-place updates are seen; whoever writes through `.data` calls `forget_weight_copies` afterwards). Costs
-    one copy of each weight."""
-    return derived(weight, "gemm.t", lambda: weight.detach().t().to(dtype).contiguous(), dtype)
+    """weight [N, K] as a contiguous, 64-byte aligned [K, N] `dtype` matrix: `weight.t()` itself when the weight
+    is laid out so (models/layers.py Linear) and in `dtype`, else a copy kept on the weight until it changes
+    (weight_cache: in-place updates are seen; whoever writes through `.data` calls `forget_weight_copies`)."""
+    w_t = weight.detach().t()
+    if w_t.dtype == dtype and w_t.is_contiguous() and w_t.data_ptr() % 64 == 0:
+        return w_t
+    return derived(weight, "gemm.t", lambda: w_t.to(dtype).contiguous(), dtype)
 
 
 def _gemm(x: torch.Tensor, w_t: torch.Tensor, route: Route) -> torch.Tensor:

@@ -24,6 +24,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         rows = x.reshape(-1, k)
         if weight.dtype != x.dtype:  # e.g. float32 activations on a bf16 router: both in float32, as on CPU
             rows, weight = rows.to(compute_dtype(x)), weight.to(compute_dtype(x))
+        if weight.stride(-1) != 1:  # a Linear weight's [K, N] storage (models/layers.py): the kernel reads [N, K] rows
+            weight = weight.contiguous()
         out = kernel_op(kernels.linear, _linear_backward, rows, weight, bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], n)
     dt = compute_dtype(x)
