@@ -45,7 +45,7 @@ def test_cpp_equals_gemm_route(k, n):
     with one_thread():
         for i in range(x.shape[0]):
             row = x[i : i + 1]
-            padded = gemm._gemm(row, w_t, route)
+            padded = gemm.routed_mm(row, w_t, route)
             assert torch.equal(cpu_kernels.matvec(row, w_t), padded)
             assert torch.equal(cpu_kernels.matvec(row, w_t, simd=False), padded)
     assert gemm.matvec_verified(k, n, route)
@@ -87,7 +87,7 @@ def test_negative_control_other_orders_differ(k, n):
     x, weight = _case(k, n, rows=1)
     w_t = gemm.weight_t(weight, torch.float32)
     with one_thread():
-        reference = gemm._gemm(x, w_t, _route(k, n))
+        reference = gemm.routed_mm(x, w_t, _route(k, n))
         assert not torch.equal(torch.mv(w_t.t(), x[0])[None], reference)
         assert not torch.equal(torch.mm(x, w_t), reference)
         for block in (64, 128, 256, k):
@@ -99,7 +99,8 @@ def test_negative_control_probe_rejects_reordered_kernel(monkeypatch):
     """A kernel in another order (256-row blocks) fails the probe, and ops.linear keeps the padded GEMM."""
     k, n = 576, 1536
     monkeypatch.setattr(cpu_kernels, "build_tag", lambda: "reordered-256")
-    monkeypatch.setattr(cpu_kernels, "matvec", lambda x, w_t: torch.ops.nemo_rz_cpu.matvec(x, w_t, 256, True))
+    matvec = cpu_kernels.matvec
+    monkeypatch.setattr(cpu_kernels, "matvec", lambda x, w_t: matvec(x, w_t, block=256))
     assert not gemm.matvec_verified(k, n, _route(k, n))
     x, weight = _case(k, n, rows=8)
     assert torch.equal(ops.linear(x[:1], weight), ops.linear(x, weight)[:1])

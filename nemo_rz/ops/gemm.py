@@ -31,7 +31,9 @@ def weight_t(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return derived(weight, "gemm.t", lambda: w_t.to(dtype).contiguous(), dtype)
 
 
-def _gemm(x: torch.Tensor, w_t: torch.Tensor, route: Route) -> torch.Tensor:
+def routed_mm(x: torch.Tensor, w_t: torch.Tensor, route: Route) -> torch.Tensor:
+    """x [M, K] @ w_t [K, N] through the library GEMM in calls of the route's row counts (rows below its
+    min_rows are zero-padded)."""
     return by_rows(lambda rows, out: torch.mm(rows, w_t, out=out), x, route, width=w_t.shape[1])
 
 
@@ -47,7 +49,7 @@ def matvec_verified(k: int, n: int, route: Route) -> bool:
         g = torch.Generator().manual_seed(n * 31 + k)
         w_t = torch.randn(k, n, generator=g) / k ** 0.5
         rows = torch.randn(MATVEC_PROBE_ROWS, k, generator=g) * 4.0
-        reference = _gemm(rows, w_t, route)
+        reference = routed_mm(rows, w_t, route)
         return all(torch.equal(cpu_kernels.matvec(rows[i : i + 1].clone(), w_t), reference[i : i + 1])
                    for i in range(rows.shape[0]))
 
@@ -62,7 +64,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         w_t = weight_t(weight, x.dtype)
         if x.shape[0] == 1 and x.dtype == torch.float32 and x.is_cpu and matvec_verified(k, n, route):
             return cpu_kernels.matvec(x, w_t)
-        return _gemm(x, w_t, route)
+        return routed_mm(x, w_t, route)
     return from_tiles(tiled_matmul(to_tiles(x), weight.to(x.dtype).t()), x.shape[0])
 
 
