@@ -6,7 +6,8 @@ Each repetition starts one fresh interpreter per variant (which goes first alter
 RolloutEngine.generate (prefill --batch x --prompt tokens, one decode step); reported: peak RSS after it
 (ru_maxrss: the load's own peak may hide what follows) and RSS then (VmRSS), the first forward's CPU seconds,
 and the steady decode step at batch 1 and 8 in the consistent and fast kernel sets ((generate of 4 + --steps
-new tokens - generate of 4) / --steps, median of --trials).
+new tokens - generate of 4) / --steps, median of --trials). --decode-ab times only the decode steps, both variants
+in one process, trials interleaved (the paired ratios are less noisy than across processes).
 
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456 \\
         python benchmarks/weight_layout.py --model models/smollm2-135m-instruct --reps 3
@@ -41,32 +42,72 @@ def child(args) -> None:
     from nemo_rz import ops
     from nemo_rz.generation import RolloutEngine, SamplingParams
     from nemo_rz.models.hf import load_hf
-    from nemo_rz.models.layers import Linear
 
     torch.set_num_threads(args.threads)
     model = load_hf(args.model, "float32")
     if args.usual:
-        for m in model.modules():
-            if isinstance(m, Linear):
-                m.weight = torch.nn.Parameter(m.weight.detach().contiguous(), requires_grad=m.weight.requires_grad)
-    vocab = model.config.vocab_size
+        _usual(model)
     engine = RolloutEngine(model, max_batch_size=8, max_model_len=args.prompt + 4 + args.steps + 4)
-    prompts = [[(7 * i + 3 * j) % vocab for j in range(args.prompt)] for i in range(8)]
+    prompts = [[(7 * i + 3 * j) % model.config.vocab_size for j in range(args.prompt)] for i in range(8)]
     c = time.process_time()
     engine.generate(prompts[: args.batch], SamplingParams(max_new_tokens=2, seed=0))
     out = {"first_cpu": time.process_time() - c, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "rss_mb": _rss_mb()}
     for mode, b in DECODE:
         with ops.use_kernels(mode):
-            def run(n):
-                t = time.perf_counter()
-                engine.generate(prompts[:b], SamplingParams(max_new_tokens=n, seed=0))
-                return time.perf_counter() - t
-
-            run(4)
-            steps = [(run(4 + args.steps) - run(4)) / args.steps for _ in range(args.trials)]
-        out[f"{mode}_b{b}_ms"] = 1e3 * statistics.median(steps)
+            _step_s(engine, prompts[:b], args.steps)  # warm
+            out[f"{mode}_b{b}_ms"] = 1e3 * statistics.median(_step_s(engine, prompts[:b], args.steps) for _ in range(args.trials))
     print(json.dumps(out), flush=True)
+
+
+def _usual(model):
+    """The "before" variant: every Linear weight copied into a contiguous [N, K] parameter."""
+    import torch
+
+    from nemo_rz.models.layers import Linear
+
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.weight = torch.nn.Parameter(m.weight.detach().contiguous(), requires_grad=m.weight.requires_grad)
+    return model
+
+
+def _step_s(engine, prompts, steps: int) -> float:
+    """Seconds of one decode step: generate of 4 + steps new tokens minus generate of 4."""
+    from nemo_rz.generation import SamplingParams
+
+    def run(n):
+        t = time.perf_counter()
+        engine.generate(prompts, SamplingParams(max_new_tokens=n, seed=0))
+        return time.perf_counter() - t
+
+    return (run(4 + steps) - run(4)) / steps
+
+
+def decode_ab(args) -> None:
+    """Both variants in this one process, decode trials interleaved: paired after/before step-time ratios."""
+    import torch
+
+    from nemo_rz import ops
+    from nemo_rz.generation import RolloutEngine
+    from nemo_rz.models.hf import load_hf
+
+    torch.set_num_threads(args.threads)
+    models = {"after": load_hf(args.model, "float32"), "before": _usual(load_hf(args.model, "float32"))}
+    engines = {v: RolloutEngine(m, max_batch_size=8, max_model_len=args.prompt + 4 + args.steps + 4) for v, m in models.items()}
+    prompts = [[(7 * i + 3 * j) % models["after"].config.vocab_size for j in range(args.prompt)] for i in range(8)]
+    for mode, b in DECODE:
+        with ops.use_kernels(mode):
+            times = {v: [] for v in VARIANTS}
+            for v in VARIANTS:
+                _step_s(engines[v], prompts[:b], args.steps)  # warm
+            for trial in range(args.trials):
+                for v in (VARIANTS if trial % 2 == 0 else VARIANTS[::-1]):
+                    times[v].append(_step_s(engines[v], prompts[:b], args.steps))
+        ratio = statistics.median(a / z for a, z in zip(times["after"], times["before"]))
+        print(f"{mode} batch {b}: step after {1e3 * statistics.median(times['after']):.1f} ms, before "
+              f"{1e3 * statistics.median(times['before']):.1f} ms, after/before {ratio:.3f} (median of {args.trials} paired)",
+              flush=True)
 
 
 def run_case(args, cache_dir: str, usual: bool) -> dict:
@@ -89,10 +130,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per trial")
     ap.add_argument("--trials", type=int, default=3, help="trials per decode case (median)")
     ap.add_argument("--usual", action="store_true", help="child: the 'before' variant, contiguous [N, K] weights")
+    ap.add_argument("--decode-ab", action="store_true", help="only the decode steps, both variants in one process, interleaved")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        child(args)
+    if args.child or args.decode_ab:
+        (child if args.child else decode_ab)(args)
         return
     print(f"threads {args.threads}  cpus {os.cpu_count()}  load average {os.getloadavg()[0]:.1f}  model {args.model}", flush=True)
     cols = ["maxrss_mb", "rss_mb", "first_cpu"] + [f"{m}_b{b}_ms" for m, b in DECODE]
