@@ -22,6 +22,7 @@ setup(
         "tqdm",
         "tensorboard",
         "matplotlib",
+        "ninja",  # torch's cpp_extension builds the C++ CPU kernels (nemo_rz/kernels/cpu) with it at first use
     ],
     extras_require={
         "triton": ["triton>=3.7"],
