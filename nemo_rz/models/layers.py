@@ -38,7 +38,8 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(forward_layout(n_out, n_in, dtype))
         self.bias = nn.Parameter(torch.zeros(n_out, dtype=dtype)) if bias else None
-        nn.init.normal_(self.weight, std=0.02)
+        with torch.no_grad():  # drawn in [N, K] order, so a seed gives the values it gave a contiguous weight
+            self.weight.copy_(nn.init.normal_(torch.empty(n_out, n_in, dtype=dtype), std=0.02))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
