@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from nemo_rz.ops.dispatch import compute_dtype, kernel_op, on_gpu_kernels
 from nemo_rz.ops.gemm import linear_rows
 from nemo_rz.ops.kernel_set import consistent
+from nemo_rz.ops.weight_cache import derived
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -25,7 +26,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if weight.dtype != x.dtype:  # e.g. float32 activations on a bf16 router: both in float32, as on CPU
             rows, weight = rows.to(compute_dtype(x)), weight.to(compute_dtype(x))
         if weight.stride(-1) != 1:  # a Linear weight's [K, N] storage (models/layers.py): the kernel reads [N, K] rows
-            weight = weight.contiguous()
+            # rollouts keep the copy per weight version; the learner's is differentiable (to reach the parameter)
+            weight = weight.contiguous() if weight.requires_grad and torch.is_grad_enabled() else \
+                derived(weight, "gpu.rows", lambda: weight.detach().contiguous())
         out = kernel_op(kernels.linear, _linear_backward, rows, weight, bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], n)
     dt = compute_dtype(x)
