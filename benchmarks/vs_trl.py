@@ -80,7 +80,10 @@ def trl_child(batches_file: str, out: str, overrides: list[str], gradient_checkp
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    try:
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError:
+        sys.exit('vs_trl.py needs TRL: pip install -e ".[hf,bench]"')
 
     from nemo_rz import config
     from nemo_rz.tasks import make_task
