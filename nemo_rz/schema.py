@@ -260,14 +260,7 @@ def typed(cfg: DictConfig | dict) -> Config:
     plain = cfg if isinstance(cfg, dict) else resolved(cfg)
     top, sections = {}, {}
     for key, spec in SCHEMA.items():
-        try:
-            value = _lookup(plain, key)
-        except (KeyError, TypeError):
-            raise ConfigError(f"config key {key} is missing; add it (see conf/default.yaml)") from None
-        if not spec.accepts(value):
-            shown = "null" if value is None else repr(value)
-            raise ConfigError(f"{key} = {shown}: expected {spec.expected()}{spec.hint(value)}")
-        value = spec.normalised(value)
+        value = _checked(plain, key, spec)
         value = dict(value) if spec.kind == "mapping" else tuple(value) if spec.kind == "ints" and value is not None else value
         section, _, name = key.rpartition(".")
         (sections.setdefault(section, {}) if section else top)[name] = value
@@ -280,6 +273,18 @@ def _lookup(plain: dict, key: str):
     for part in key.split("."):
         node = node[part]
     return node
+
+
+def _checked(plain: dict, key: str, spec: Key):
+    """The value of `key` in `plain`, normalised; ConfigError (one line) when it is missing or not accepted."""
+    try:
+        value = _lookup(plain, key)
+    except (KeyError, TypeError):
+        raise ConfigError(f"config key {key} is missing; add it (see conf/default.yaml)") from None
+    if not spec.accepts(value):
+        shown = "null" if value is None else repr(value)
+        raise ConfigError(f"{key} = {shown}: expected {spec.expected()}{spec.hint(value)}")
+    return spec.normalised(value)
 
 
 def _assign(plain: dict, key: str, value) -> None:
@@ -307,14 +312,7 @@ def validate(cfg: DictConfig, machine: bool = True) -> DictConfig:
     plain = resolved(cfg)
     order = sorted(SCHEMA.items(), key=lambda kv: callable(kv[1].choices))
     for key, spec in order:
-        try:
-            value = _lookup(plain, key)
-        except (KeyError, TypeError):
-            raise ConfigError(f"config key {key} is missing; add it (see conf/default.yaml)") from None
-        if not spec.accepts(value):
-            shown = "null" if value is None else repr(value)
-            raise ConfigError(f"{key} = {shown}: expected {spec.expected()}{spec.hint(value)}")
-        _assign(plain, key, spec.normalised(value))
+        _assign(plain, key, _checked(plain, key, spec))
     check_sizes(plain, machine)
     _check_task_options(plain)
     return OmegaConf.create(_literal(plain))
