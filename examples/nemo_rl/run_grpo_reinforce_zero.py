@@ -73,7 +73,7 @@ def check_generation(master_config) -> None:
     """Refuse sampling that leaves the importance weights without full-vocabulary logprobs; if the config runs
     nemo-rz's model in vLLM, also the settings that would make its recorded logprobs describe another distribution
     or other arithmetic than the learner's, and fill in the checkpoint family."""
-    from nemo_rz.ops import KV_BLOCK, MODES
+    from nemo_rz.ops import KERNELS, KV_BLOCK
 
     policy = _get(master_config, "policy", {})
     gen = policy.get("generation") or {}
@@ -102,8 +102,8 @@ def check_generation(master_config) -> None:
          "in vLLM's sampler: set 1.0"),
         (f"{h}.nemo_rz_temperature", overrides.get("nemo_rz_temperature", 1.0), lambda v: v == 1.0,
          "the learner's logprobs are at generation.temperature 1.0: set 1.0"),
-        (f"{h}.nemo_rz_kernels", overrides.get("nemo_rz_kernels", "consistent"), lambda v: v in MODES,
-         f"use one of {', '.join(MODES)}"),
+        (f"{h}.nemo_rz_kernels", overrides.get("nemo_rz_kernels", "consistent"), lambda v: v in KERNELS,
+         f"use one of {', '.join(KERNELS)}"),
         (f"{h}.nemo_rz_precision", overrides.get("nemo_rz_precision"), _unquantized,
          "NeMo RL's learner runs unquantized linears; quantized rollout linears would give other logprobs: set null"),
         (f"{c}.precision", cfg.get("precision"), lambda v: v in ("float32", "bfloat16") and v == learner_dtype,
