@@ -128,11 +128,9 @@ class Learner:
         return float(norm)
 
     def _logprobs(self, ids: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """The policy's logprobs [B, T-1] where `mask` is set: the built-in Decoder runs the packed valid tokens
-        and its LM head only there (0 elsewhere); another policy (Megatron's) computes them its own way."""
-        if isinstance(self.model, Decoder):
-            return self.model.token_logprobs(ids, lengths, temperature, mask=mask)
-        return self.model.token_logprobs(ids, lengths, temperature)
+        """The policy's logprobs [B, T-1] where `mask` is set, 0 elsewhere (the built-in Decoder runs the packed valid
+        tokens and its LM head only there; Megatron's policy computes every position and zeroes the rest)."""
+        return self.model.token_logprobs(ids, lengths, temperature, mask=mask)
 
     def rl_step(self, batch: Packed, advantages: torch.Tensor, what: str = "RL update") -> tuple[dict[str, float], torch.Tensor]:
         """One update; returns its metrics and the learner logprobs it used (detached, pre-update weights)."""

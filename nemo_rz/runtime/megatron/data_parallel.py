@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nemo_rz.parallel.tensor import all_gather_sum, gather_parts
+from nemo_rz.runtime.megatron.model import zero_outside
 
 
 class _Shares(torch.autograd.Function):
@@ -59,9 +60,10 @@ class DataParallel(nn.Module):
         self.params = [p for p in policy.parameters() if p.requires_grad]
         self.config = policy.config
 
-    def token_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+    def token_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, temperature: float = 1.0,
+                       mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.shares == 1:
-            return self.policy.token_logprobs(input_ids, lengths, temperature)
+            return self.policy.token_logprobs(input_ids, lengths, temperature, mask=mask)
         b, length = input_ids.shape
         if lengths is None:
             lengths = torch.full((b,), length, dtype=torch.long)
@@ -78,7 +80,7 @@ class DataParallel(nn.Module):
         whole = gather_parts(mine, self.group).reshape(b + pad, length - 1)
         if torch.is_grad_enabled() and any(lp.requires_grad for lp in local):
             whole = _Shares.apply(self.anchor, self, local, whole)
-        return whole[:b]
+        return zero_outside(whole[:b], mask)
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         return self.policy.state_dict()

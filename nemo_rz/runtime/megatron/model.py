@@ -40,6 +40,13 @@ SUPPORTED = {"vocab_size", "hidden_size", "intermediate_size", "num_layers", "nu
              "max_position_embeddings", "sliding_window", "dtype"}
 
 
+def zero_outside(lp: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """lp with 0 where `mask` (the same [B, T-1]) is 0; lp itself without a mask."""
+    if mask is None:
+        return lp
+    return torch.where(mask.to(lp.device) != 0, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
+
+
 def check_supported(cfg: DecoderConfig, fast: bool) -> None:
     plain = DecoderConfig(**{k: getattr(cfg, k) for k in SUPPORTED})  # the same model without other features
     for f in dataclasses.fields(cfg):
@@ -132,9 +139,10 @@ class MegatronPolicy(nn.Module):
         mask = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)[None, None] if self.fast else None
         return self.gpt(input_ids, positions, mask)
 
-    def token_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+    def token_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, temperature: float = 1.0,
+                       mask: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [B, T-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) at `temperature`; 0 past each length
-        (the built-in Decoder's contract)."""
+        and, with `mask` ([B, T-1]), where it is 0 (the built-in Decoder's contract; computed at every position)."""
         b, length = input_ids.shape
         logits = self._logits(input_ids)[:, :-1]
         targets = input_ids[:, 1:]
@@ -153,7 +161,7 @@ class MegatronPolicy(nn.Module):
         if lengths is not None:
             valid = torch.arange(length - 1, device=input_ids.device)[None, :] < (lengths.to(input_ids.device)[:, None] - 1)
             lp = torch.where(valid, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
-        return lp
+        return zero_outside(lp, mask)
 
     # -- weights in Hugging Face names --------------------------------------------------------------
     def _vocab_rows(self, name: str) -> bool:
