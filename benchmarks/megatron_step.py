@@ -25,6 +25,7 @@ import shapes  # noqa: E402
 
 from nemo_rz import ops  # noqa: E402
 from nemo_rz.runtime.megatron import distributed, launch  # noqa: E402
+from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
 from nemo_rz.runtime.megatron.model import MegatronPolicy  # noqa: E402
 
 MODES = ("consistent", "fast")
@@ -54,7 +55,7 @@ def main() -> None:
         raise SystemExit(launch.start([sys.executable, *sys.argv], args.tp))
     torch.set_num_threads(1)
     decoder, _, desc = shapes.load(args, args.seed)  # before torch.distributed: transformers saves on rank 0 only
-    distributed.init(args.tp, 1, 1)
+    distributed.init(Layout(tp=args.tp))
     lead = torch.distributed.get_rank() == 0
     ids = torch.randint(0, decoder.config.vocab_size, (args.batch, args.length), generator=torch.Generator().manual_seed(args.seed))
     variants = {}

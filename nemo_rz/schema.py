@@ -189,6 +189,8 @@ SCHEMA: dict[str, Key] = {
     "runtime.learner": Choice(("builtin", "megatron"), fixed=True, why="megatron needs the megatron extra"),
     "megatron.tp": Int(1, fixed=True, why="tensor-parallel ranks"),
     "megatron.pp": Int(1, 1, fixed=True, why="pipeline parallelism is not supported yet"),
+    "megatron.cp": Int(1, 1, fixed=True, why="context parallelism is not supported yet"),
+    "megatron.ep": Int(1, 1, fixed=True, why="expert parallelism is not supported yet"),
     "megatron.dp": Int(1, fixed=True, why="data-parallel ranks"),
     "megatron.grad_shares": Int(1, optional=True, null_means="for megatron.dp", fixed=True),
     "generation.backend": Choice(("builtin", "vllm")),
@@ -512,11 +514,11 @@ def _check_cpus(plain: dict, cpus: int) -> None:
         if r[key] > cpus:
             raise ConfigError(f"runtime.{key} = {r[key]}: more threads than {where}; at most {cpus}")
     if r["learner"] == "megatron":
-        world = meg["tp"] * meg["pp"] * meg["dp"]
+        world = meg["tp"] * meg["pp"] * meg["cp"] * meg["dp"]
         if world > cpus:
             key = "megatron.tp" if meg["tp"] >= meg["dp"] else "megatron.dp"
-            raise ConfigError(f"{key} = {_lookup(plain, key)}: megatron.tp x pp x dp = {meg['tp']} x {meg['pp']} x "
-                              f"{meg['dp']} = {world} learner processes, more than {where}; at most {cpus} in all")
+            raise ConfigError(f"{key} = {_lookup(plain, key)}: megatron.tp x pp x cp x dp = {meg['tp']} x {meg['pp']} x "
+                              f"{meg['cp']} x {meg['dp']} = {world} learner processes, more than {where}; at most {cpus} in all")
 
 
 def memory_need(plain: dict, shape: Shape) -> dict[str, float]:

@@ -9,6 +9,7 @@ from nemo_rz import ops
 from nemo_rz.algorithms.advantages import group_advantages
 from nemo_rz.generation.packing import Packed
 from nemo_rz.runtime.megatron import distributed
+from nemo_rz.runtime.megatron.layout import Layout
 from nemo_rz.runtime.megatron.learner import MegatronLearner
 from nemo_rz.runtime.megatron.model import MegatronPolicy
 
@@ -31,7 +32,7 @@ def rl_batch() -> tuple[Packed, torch.Tensor]:
 
 
 def learner(mirror, dp: int, grad_shares: int) -> MegatronLearner:
-    return MegatronLearner(mirror, 1, 1, dp, grad_shares, 1e-3, 1.0, 1.0, "reinforce_zero", "unclipped", {})
+    return MegatronLearner(mirror, Layout(dp=dp, grad_shares=grad_shares), 1e-3, 1.0, 1.0, "reinforce_zero", "unclipped", {})
 
 
 def main(out: str) -> None:
@@ -39,14 +40,14 @@ def main(out: str) -> None:
     model = tiny_model(0, vocab_size=VOCAB)
     ids, lengths = batch()
     got = {}
-    distributed.init(2, 1, 1)
+    distributed.init(Layout(tp=2))
     for mode in ("consistent", "fast"):
         with ops.use_kernels(mode):
             policy = MegatronPolicy(model.config)
             policy.load_state_dict(model.state_dict())
             got[f"tp2_{mode}"] = policy.token_logprobs(ids, lengths).detach()
             got[f"tp2_{mode}_weights"] = policy.state_dict()
-    distributed.init(1, 1, 2)
+    distributed.init(Layout(dp=2))
     with ops.use_kernels("consistent"):
         if torch.distributed.get_rank():
             MegatronLearner.follow()

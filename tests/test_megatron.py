@@ -22,6 +22,7 @@ from nemo_rz import ops  # noqa: E402
 from nemo_rz.parallel.tensor import tree_sum  # noqa: E402
 from nemo_rz.runtime import checkpoint  # noqa: E402
 from nemo_rz.runtime.megatron import convert, distributed, launch  # noqa: E402
+from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
 from nemo_rz.runtime.megatron.model import MegatronPolicy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ TINY = ["task.name=add1", "warmup.steps=40", "warmup.lr=0.003", "algo.prompts_pe
 
 @pytest.fixture(scope="module", autouse=True)
 def world_of_one():
-    distributed.init(1, 1, 1)
+    distributed.init(Layout())
     yield
     from megatron.core import parallel_state
 

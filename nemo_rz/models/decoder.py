@@ -22,7 +22,8 @@ from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.layers import MLP, Attention, Block, Linear, RMSNorm, block, embed_scale, norm
 from nemo_rz.protocols import KVCacheProtocol
 
-__all__ = ["Attention", "Block", "Decoder", "KVCache", "Linear", "MLP", "RMSNorm", "Tokens", "packed_rows", "unpacked"]
+__all__ = ["Attention", "Block", "Decoder", "KVCache", "Linear", "MLP", "RMSNorm", "Tokens", "packed_rows", "prepared",
+           "unpacked"]
 
 
 _KV_HEAD_OFFSETS: dict = {}
@@ -137,6 +138,18 @@ def unpacked(x: torch.Tensor, lengths: torch.Tensor, length: int, fill: float = 
     return x.new_full((lengths.shape[0] * length, *x.shape[1:]), fill).index_put((rows,), x)
 
 
+def prepared(cfg: DecoderConfig, t: Tokens, heads: int | None = None, kv_heads: int | None = None) -> Tokens:
+    """t with what every layer's attention shares filled in: the attention plan (for `heads` / `kv_heads` query and
+    key heads: the model's, or one tensor-parallel rank's), each RoPE's rotation of the positions, the cache rows."""
+    return dataclasses.replace(
+        t,
+        plan=t.plan or ops.AttentionPlan(t.seq_idx, t.positions, heads or cfg.num_heads, kv_heads or cfg.num_kv_heads),
+        ropes=t.ropes or {r: ops.rope_cos_sin(t.positions, cfg.head_dim, r[0], r[1])
+                          for r in dict.fromkeys(cfg.rope(i) for i in range(cfg.num_layers))},
+        cache_rows=t.cache.rows(t) if t.cache_rows is None and isinstance(t.cache, KVCache) else t.cache_rows,
+    )
+
+
 class Body(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -164,13 +177,7 @@ class Decoder(nn.Module):
                     f"token id out of range [0, {cfg.vocab_size}) in the model input: "
                     "check the tokenizer matches the model's vocab_size"
                 )
-        t = dataclasses.replace(
-            t,
-            plan=t.plan or ops.AttentionPlan(t.seq_idx, t.positions, cfg.num_heads, cfg.num_kv_heads),
-            ropes=t.ropes or {r: ops.rope_cos_sin(t.positions, cfg.head_dim, r[0], r[1])
-                              for r in dict.fromkeys(cfg.rope(i) for i in range(cfg.num_layers))},
-            cache_rows=t.cache.rows(t) if t.cache_rows is None and isinstance(t.cache, KVCache) else t.cache_rows,
-        )
+        t = prepared(cfg, t)
         x = ops.embedding(t.ids, self.model.embed_tokens.weight)
         if cfg.embed_scale:
             x = x * embed_scale(cfg).to(x.device)

@@ -110,24 +110,32 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        rope, window = cfg.rope(self.layer), cfg.window(self.layer)
-        q = ops.rope(q, t.positions, rope[0], t.ropes[rope])
-        k = ops.rope(k, t.positions, rope[0], t.ropes[rope])
-        if t.attend is not None:  # attention computed elsewhere: over context-parallel ranks (parallel/context.py)
-            out = t.attend(q, k, v, cfg.attention_scale)
-            return self.o_proj(out.reshape(n, cfg.num_heads * cfg.head_dim))
-        if t.cache is None:
-            b, length = t.dense
-            pad = (-length) % ops.KV_BLOCK
-            k_all = F.pad(k.view(b, length, -1, cfg.head_dim), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
-            v_all = F.pad(v.view(b, length, -1, cfg.head_dim), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
-            table = None
-        else:
-            t.cache.write(self.layer, k, v, t)
-            k_all, v_all, table = t.cache.view(self.layer)
-        out = ops.attention(q, k_all, v_all, t.seq_idx, t.positions, cfg.attention_scale, window,
-                            block_table=table, plan=t.plan, sinks=self.sinks if cfg.attention_sinks else None)
+        out = attend(cfg, self.layer, q, k, v, t, self.sinks if cfg.attention_sinks else None)
         return self.o_proj(out.reshape(n, cfg.num_heads * cfg.head_dim))
+
+
+def attend(cfg: DecoderConfig, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Layer `layer`'s RoPE and attention of the tokens `t` (a prepared decoder.Tokens): q [N, H, D], k and v
+    [N, Hkv, D] -> [N, H, D]. H may be a slice of the model's heads (a tensor-parallel rank's; `sinks` then the
+    same slice): the arithmetic of a head does not depend on the others. The one attention both the built-in
+    Decoder and the Megatron learner's layer spec run."""
+    rope, window = cfg.rope(layer), cfg.window(layer)
+    q = ops.rope(q, t.positions, rope[0], t.ropes[rope])
+    k = ops.rope(k, t.positions, rope[0], t.ropes[rope])
+    if t.attend is not None:  # attention computed elsewhere: over context-parallel ranks (parallel/context.py)
+        return t.attend(q, k, v, cfg.attention_scale)
+    if t.cache is None:
+        b, length = t.dense
+        pad = (-length) % ops.KV_BLOCK
+        k_all = F.pad(k.view(b, length, -1, cfg.head_dim), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+        v_all = F.pad(v.view(b, length, -1, cfg.head_dim), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+        table = None
+    else:
+        t.cache.write(layer, k, v, t)
+        k_all, v_all, table = t.cache.view(layer)
+    return ops.attention(q, k_all, v_all, t.seq_idx, t.positions, cfg.attention_scale, window,
+                         block_table=table, plan=t.plan, sinks=sinks)
 
 
 def gated(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -19,14 +19,26 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.utils import GlobalMemoryBuffer
 
+from nemo_rz.runtime.megatron.layout import Layout
+
 ENV_STORE = "NEMO_RZ_DIST_STORE"  # the rendezvous file a launcher gives its ranks
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
+_GROUPS: tuple | None = None  # (tp, pp, cp, ep) Megatron's groups were built for
 
 
-def init(tp: int, pp: int, dp: int, seed: int = 0) -> None:
-    """torch.distributed (a single process starts a world of one) and Megatron's groups for tp x pp x dp ranks."""
-    if pp != 1:
-        raise ValueError(f"megatron.pp = {pp}: pipeline parallelism is not supported by the Megatron learner yet; use megatron.pp=1")
+# Axes the Megatron learner does not drive yet: refused here, in one line, rather than trained wrongly.
+NOT_YET = {
+    "pp": "pipeline parallelism is not supported by the Megatron learner yet",
+    "cp": "context parallelism is not supported by the Megatron learner yet",
+    "ep": "expert parallelism is not supported by the Megatron learner yet",
+}
+
+
+def init(layout: Layout, seed: int = 0) -> None:
+    """torch.distributed (a single process starts a world of one) and Megatron's groups for `layout`."""
+    for axis, why in NOT_YET.items():
+        if getattr(layout, axis) != 1:
+            raise ValueError(f"megatron.{axis} = {getattr(layout, axis)}: {why}; use megatron.{axis}=1")
     if not dist.is_initialized():
         for k, v in LOOPBACK_ENV.items():
             os.environ.setdefault(k, v)
@@ -36,15 +48,18 @@ def init(tp: int, pp: int, dp: int, seed: int = 0) -> None:
         # Ranks wait for rank 0 between calls (rollouts, evaluation) for as long as it takes; a rank that dies is
         # noticed by the launcher, not by a timeout.
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(days=1))
-    world = dist.get_world_size()
-    if tp * pp * dp != world:
-        raise ValueError(f"megatron.tp x megatron.pp x megatron.dp = {tp} x {pp} x {dp} = {tp * pp * dp}, but the job has "
-                         f"{world} process(es); launch with the train CLI, which starts tp x pp x dp processes")
+    world, (tp, pp, cp, ep) = dist.get_world_size(), (layout.tp, layout.pp, layout.cp, layout.ep)
+    if layout.world != world:
+        raise ValueError(f"megatron.tp x pp x cp x dp = {tp} x {pp} x {cp} x {layout.dp} = {layout.world}, but the job "
+                         f"has {world} process(es); launch with the train CLI, which starts tp x pp x cp x dp processes")
+    global _GROUPS
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() == tp:
+        if _GROUPS == (tp, pp, cp, ep):
             return
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             context_parallel_size=cp, expert_model_parallel_size=ep)
+    _GROUPS = (tp, pp, cp, ep)
     if not torch.cuda.is_available():
         parallel_state._GLOBAL_MEMORY_BUFFER = CPUMemoryBuffer()
     # The inference tracker keeps its RNG states on the CPU generator (the default one needs CUDA); dropout is

@@ -32,7 +32,7 @@ _PR_SET_PDEATHSIG = 1
 
 def world_size(cfg) -> int:
     m = cfg.megatron
-    return int(m.tp) * int(m.pp) * int(m.dp)
+    return int(m.tp) * int(m.pp) * int(m.cp) * int(m.dp)
 
 
 def this_rank() -> int | None:
@@ -158,10 +158,11 @@ def follow(cfg) -> None:
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-    from nemo_rz import ops
+    from nemo_rz import ops, schema
+    from nemo_rz.runtime.megatron.layout import Layout
     from nemo_rz.runtime.megatron.learner import MegatronLearner
 
     torch.set_num_threads(cfg.runtime.learner_threads)
     ops.set_kernels(cfg.kernels)
-    distributed.init(cfg.megatron.tp, cfg.megatron.pp, cfg.megatron.dp, cfg.seed)
+    distributed.init(Layout.from_section(schema.typed(cfg).megatron), cfg.seed)
     MegatronLearner.follow()

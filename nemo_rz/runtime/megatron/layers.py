@@ -14,12 +14,16 @@ Gradients are not TP-invariant (Megatron's all-reduce sums the input gradients);
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from torch import nn
 
 from nemo_rz import ops
+from nemo_rz.models import layers as decoder_layers
+from nemo_rz.models.config import DecoderConfig
+from nemo_rz.models.decoder import Tokens
 from nemo_rz.parallel.tensor import gather_last
 
 
@@ -115,51 +119,48 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
-@functools.lru_cache(maxsize=16)
-def _dense(batch: int, length: int, heads: int, kv_heads: int, head_dim: int, theta: float, window, device: str):
-    """Positions, sequence index, RoPE rotation and attention plan of a dense [batch, length] learner batch
-    (reused by every layer and every step of that shape)."""
-    positions = torch.arange(length, device=device).repeat(batch)
-    seq_idx = torch.arange(batch, device=device).repeat_interleave(length)
-    return (positions, seq_idx, ops.rope_cos_sin(positions, head_dim, theta),
-            ops.AttentionPlan(seq_idx, positions, heads, kv_heads, window))
+@dataclasses.dataclass
+class TokenParams(PackedSeqParams):
+    """What Megatron hands every layer's core attention (its `packed_seq_params` argument, passed through
+    unchanged in the non-`thd` format): the forward's tokens as the built-in Decoder's layers read them (a
+    prepared decoder.Tokens in (row, position) order: positions, sequence ids, RoPE rotations, the attention
+    plan of this rank's heads, and `attend` where attention runs elsewhere, e.g. over context-parallel ranks)."""
+
+    qkv_format: str = "sbhd"
+    tokens: Tokens | None = None
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float, cos_sin) -> torch.Tensor:
-    """ops.rope on Megatron's [s, b, heads, d] layout, computed in the built-in Decoder's token order (b, s)."""
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """Megatron's [s, b, heads, d] -> the Decoder's token order [b * s, heads, d]."""
     s, b, h, d = x.shape
-    flat = x.transpose(0, 1).reshape(b * s, h, d)
-    return ops.rope(flat, positions, theta, cos_sin).view(b, s, h, d).transpose(0, 1)
+    return x.transpose(0, 1).reshape(b * s, h, d)
 
 
 class CoreAttention(nn.Module):
-    """RoPE, then causal GQA attention of this rank's heads (q, k, v in Megatron's [s, b, heads, d] layout).
+    """RoPE, then the layer's attention of this rank's heads (q, k, v in Megatron's [s, b, heads, d] layout).
 
-    Megatron applies RoPE with a table it moves to CUDA, so the model is built without position embeddings
-    and RoPE happens here, through ops.rope, in both kernel sets. Consistent: ops.attention, the Decoder's
-    arithmetic; fast: Megatron's own DotProductAttention (`fast_attention`)."""
+    Megatron applies RoPE with a table it moves to CUDA, so the model is built without position embeddings and
+    RoPE happens here, through ops.rope, in both kernel sets. Consistent: models.layers.attend, the built-in
+    Decoder's own attention of that layer (window, RoPE kind, sinks), over the tokens of `packed_seq_params`
+    (TokenParams); fast: ops.rope, then Megatron's own DotProductAttention (`fast_attention`)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type, softmax_scale=None,
-                 rope_theta: float = 10000.0, window: int | None = None, fast_attention: type | None = None, **kwargs):
+                 model_config: DecoderConfig | None = None, fast_attention: type | None = None, **kwargs):
         super().__init__()
-        self.theta, self.window, self.head_dim = rope_theta, window, config.kv_channels
-        self.scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
+        self.cfg, self.layer = model_config, layer_number - 1  # Megatron counts layers from 1, across stages
         self.fast = None if fast_attention is None else fast_attention(
             config=config, layer_number=layer_number, attn_mask_type=attn_mask_type, attention_type=attention_type,
             softmax_scale=softmax_scale, **kwargs)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         s, b, h, d = query.shape
-        hkv = key.shape[2]
-        positions, seq_idx, cos_sin, plan = _dense(b, s, h, hkv, d, self.theta, self.window, str(query.device))
-        query, key = _rope(query, positions, self.theta, cos_sin), _rope(key, positions, self.theta, cos_sin)
+        t = packed_seq_params.tokens
         if self.fast is not None:
+            theta, scaling = self.cfg.rope(self.layer)
+            rot = t.ropes[(theta, scaling)]
+            query, key = (ops.rope(_flat(x), t.positions, theta, rot).view(b, s, -1, d).transpose(0, 1) for x in (query, key))
             return self.fast(query, key, value, attention_mask, attn_mask_type=attn_mask_type)
-        q = query.transpose(0, 1).reshape(b * s, h, d)
-        pad = (-s) % ops.KV_BLOCK
-        k_all = nn.functional.pad(key.transpose(0, 1), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
-        v_all = nn.functional.pad(value.transpose(0, 1), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
-        out = ops.attention(q, k_all, v_all, seq_idx, positions, self.scale, self.window, plan=plan)
+        out = decoder_layers.attend(self.cfg, self.layer, _flat(query), _flat(key), _flat(value), t)
         return out.view(b, s, h * d).transpose(0, 1)
 
 

@@ -1,5 +1,5 @@
 """The Megatron learner: runtime.Learner's loss and update (the same code) on a Megatron GPTModel, over
-tp x dp processes.
+the processes of a Layout (layout.py).
 
 Rank 0 runs the trainer and drives the learner; with more than one process, every learner call on rank 0 is
 first sent to the other ranks (`collective`), which run the same call on their part of the model (`serve`):
@@ -24,6 +24,7 @@ from nemo_rz.parallel.tensor import all_gather_sum
 from nemo_rz.runtime.learner import MAX_WEIGHT_GROWTH, Learner
 from nemo_rz.runtime.megatron import distributed
 from nemo_rz.runtime.megatron.data_parallel import DataParallel
+from nemo_rz.runtime.megatron.layout import Layout
 from nemo_rz.runtime.megatron.model import MegatronPolicy
 
 _SHARED_ACROSS_HEADS = ("q_layernorm", "k_layernorm")  # replicated weights applied to each rank's own heads
@@ -53,12 +54,11 @@ def collective(method):
 
 
 class MegatronLearner(Learner):
-    def __init__(self, mirror: Decoder | None, tp: int, pp: int, dp: int, grad_shares: int | None, lr: float,
-                 grad_clip: float | None, temperature: float, loss: str, correction: str, correction_params: dict,
-                 seed: int = 0, _init: tuple | None = None):
-        distributed.init(tp, pp, dp, seed)
+    def __init__(self, mirror: Decoder | None, layout: Layout, lr: float, grad_clip: float | None, temperature: float,
+                 loss: str, correction: str, correction_params: dict, seed: int = 0, _init: tuple | None = None):
+        distributed.init(layout, seed)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        args = (tp, pp, dp, grad_shares, lr, grad_clip, temperature, loss, correction, dict(correction_params), seed)
+        args = (layout, lr, grad_clip, temperature, loss, correction, dict(correction_params), seed)
         if _init is None:  # rank 0: the model's config and first weights come from the mirror
             _init = (mirror.config.to_dict(), mirror.state_dict())
             if self.world > 1:
@@ -67,9 +67,9 @@ class MegatronLearner(Learner):
         policy = MegatronPolicy(DecoderConfig.from_dict(config))
         policy.load_state_dict(weights)
         self.tp_group = distributed.tp_group()
-        model = DataParallel(policy, grad_shares or dp, distributed.dp_group())
+        model = DataParallel(policy, layout.shares, distributed.dp_group())
         super().__init__(model, lr, grad_clip, temperature, loss, correction, correction_params)
-        self.mirror, self.layout = mirror, dict(tp=tp, pp=pp, dp=dp, grad_shares=grad_shares or dp)
+        self.mirror, self.layout = mirror, layout.to_dict()
         self.commanding = self.rank == 0 and self.world > 1
         self.sharded, self.replicated, self.head_shared = [], [], []
         for name, p in policy.gpt.named_parameters():
@@ -141,7 +141,10 @@ class MegatronLearner(Learner):
 
     @collective
     def load_optimizer_state(self, state: dict, lr: float) -> None:
-        if state.get("megatron") != self.layout:
+        saved = state.get("megatron")
+        if saved is not None:
+            saved = {"cp": 1, "ep": 1, **saved}  # saved before the layout had these axes
+        if saved != self.layout:
             saved = state.get("megatron") or "the built-in learner"
             raise ValueError(f"the checkpoint's optimizer state was saved by {saved}, not by the Megatron learner with "
                              f"{self.layout}; resume with the layout it was saved with")
@@ -210,5 +213,5 @@ class _Supervised:
 def from_config(m: schema.MegatronSection, a: schema.AlgoSection, seed: int, mirror: Decoder) -> MegatronLearner:
     """The learner that `runtime.learner=megatron` asks for, from the `megatron` and `algo` sections of the typed
     config (nemo_rz.schema.typed), starting from `mirror`'s weights (rank 0 of the job)."""
-    return MegatronLearner(mirror, m.tp, m.pp, m.dp, m.grad_shares, a.lr, a.grad_clip, a.temperature, a.loss,
-                           a.correction, a.correction_params, seed=seed)
+    return MegatronLearner(mirror, Layout.from_section(m), a.lr, a.grad_clip, a.temperature, a.loss, a.correction,
+                           a.correction_params, seed=seed)

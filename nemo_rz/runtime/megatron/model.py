@@ -2,43 +2,31 @@
 `token_logprobs`, and `state_dict` / `load_state_dict` in Hugging Face names (whole tensors, what the rollout
 engines load).
 
-Two layer specs: `consistent` (the kernel set's default) puts nemo_rz.ops inside every Megatron submodule
+Two layer specs (spec.py): `consistent` (the kernel set's default) puts nemo_rz.ops inside every Megatron submodule
 (layers.py), so the logprobs equal the built-in Decoder's and the rollout engines' bit for bit, and equal at
 every tensor-parallel size; `fast` is Megatron's own local spec (its column/row-parallel layers with their
 all-reduce, torch RMSNorm, DotProductAttention, vocab-parallel cross-entropy): the standard path to compare with.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from nemo_rz import ops
 from nemo_rz.models.config import DecoderConfig
+from nemo_rz.models.decoder import Tokens, prepared
 from nemo_rz.parallel.tensor import gather_last, gather_parts
-from nemo_rz.runtime.megatron import convert, distributed, layers
+from nemo_rz.runtime.megatron import convert, distributed, layers, spec
 
 # Megatron's own tensor-parallel layers advise, at their first forward, a CUDA stream setting: moot here.
 warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
-
-# DecoderConfig fields this model builds; any other field must keep its default (a family the Megatron
-# learner does not build yet is refused, not trained wrongly).
-SUPPORTED = {"vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-             "rope_theta", "rms_norm_eps", "qk_norm", "attention_bias", "tie_word_embeddings",
-             "max_position_embeddings", "sliding_window", "dtype"}
-
 
 def zero_outside(lp: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """lp with 0 where `mask` (the same [B, T-1]) is 0; lp itself without a mask."""
@@ -47,72 +35,19 @@ def zero_outside(lp: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return torch.where(mask.to(lp.device) != 0, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
 
 
-def check_supported(cfg: DecoderConfig, fast: bool) -> None:
-    plain = DecoderConfig(**{k: getattr(cfg, k) for k in SUPPORTED})  # the same model without other features
-    for f in dataclasses.fields(cfg):
-        if getattr(cfg, f.name) != getattr(plain, f.name):
-            raise ValueError(f"model {f.name} = {getattr(cfg, f.name)!r}: the Megatron learner builds dense "
-                             "RMSNorm/RoPE/GQA/SwiGLU decoders only; use runtime.learner=builtin for this model")
-    if fast and cfg.sliding_window is not None:
-        raise ValueError("model sliding_window: the Megatron learner's fast kernels (Megatron's attention) have no "
-                         "sliding window; use kernels=consistent or runtime.learner=builtin")
-
-
-def transformer_config(cfg: DecoderConfig, tp: int) -> TransformerConfig:
-    with warnings.catch_warnings():  # a deprecation notice about CUDA graphs, which the learner does not use
-        warnings.filterwarnings("ignore", message="full scope is deprecated")
-        return _transformer_config(cfg, tp)
-
-
-def _transformer_config(cfg: DecoderConfig, tp: int) -> TransformerConfig:
-    return TransformerConfig(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=cfg.attention_bias, qk_layernorm=cfg.qk_norm,
-        tensor_model_parallel_size=tp, params_dtype=cfg.torch_dtype, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-    )
-
-
-def layer_spec(cfg: DecoderConfig, fast: bool) -> ModuleSpec:
-    """The transformer block: Megatron's local spec (fast) or the same layer with nemo_rz.ops submodules."""
-    local = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
-    attn = local.submodules.self_attention
-    core = functools.partial(layers.CoreAttention, rope_theta=cfg.rope_theta, window=cfg.sliding_window,
-                             fast_attention=DotProductAttention if fast else None)
-    if fast:
-        attn_sub = dataclasses.replace(attn.submodules, core_attention=core)
-        layer_sub = dataclasses.replace(local.submodules, self_attention=dataclasses.replace(attn, submodules=attn_sub))
-        norm = layer_sub.input_layernorm
-    else:
-        qk = layers.RMSNorm if cfg.qk_norm else attn.submodules.q_layernorm  # IdentityOp without qk-norm
-        attn_sub = dataclasses.replace(attn.submodules, linear_qkv=layers.ColumnLinear, core_attention=core,
-                                       linear_proj=layers.RowLinear, q_layernorm=qk, k_layernorm=qk)
-        layer_sub = dataclasses.replace(local.submodules, input_layernorm=layers.RMSNorm, pre_mlp_layernorm=layers.RMSNorm,
-                                        self_attention=dataclasses.replace(attn, submodules=attn_sub),
-                                        mlp=layers.MLP)
-        norm = layers.RMSNorm
-    layer = dataclasses.replace(local, submodules=layer_sub)
-    return ModuleSpec(module=TransformerBlock,
-                      submodules=TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers, layer_norm=norm))
-
-
 class MegatronPolicy(nn.Module):
     """GPTModel over this process's tensor-parallel group (built in the kernel set current at construction)."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.fast = ops.get_kernels() != "consistent"
-        check_supported(cfg, self.fast)
+        spec.check_supported(cfg, self.fast)
         self.config, self.tp = cfg, distributed.tp_group()
         self.tp_size, self.tp_rank = dist.get_world_size(self.tp), dist.get_rank(self.tp)
         self.padded_vocab = -(-cfg.vocab_size // self.tp_size) * self.tp_size  # Megatron splits the vocabulary evenly
-        mcfg = transformer_config(cfg, self.tp_size)
+        mcfg = spec.transformer_config(cfg, self.tp_size)
         tied = cfg.tie_word_embeddings
-        self.gpt = GPTModel(mcfg, layer_spec(cfg, self.fast), vocab_size=self.padded_vocab,
+        self.gpt = GPTModel(mcfg, spec.block_spec(cfg, self.fast), vocab_size=self.padded_vocab,
                             max_sequence_length=cfg.max_position_embeddings, position_embedding_type="none",
                             share_embeddings_and_output_weights=tied, parallel_output=True)
         if not self.fast:
@@ -137,7 +72,15 @@ class MegatronPolicy(nn.Module):
         positions = torch.arange(length, device=input_ids.device).expand(b, length)
         # Consistent attention is causal by construction; Megatron's own needs the mask (its default is on CUDA).
         mask = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).triu(1)[None, None] if self.fast else None
-        return self.gpt(input_ids, positions, mask)
+        return self.gpt(input_ids, positions, mask, packed_seq_params=self._tokens(b, length, str(input_ids.device)))
+
+    @functools.lru_cache(maxsize=16)
+    def _tokens(self, b: int, length: int, device: str) -> layers.TokenParams:
+        """The layers' view of a dense [b, length] batch (reused by every layer and every step of that shape)."""
+        cfg = self.config
+        t = Tokens(torch.zeros(0, dtype=torch.long), torch.arange(length, device=device).repeat(b),
+                   torch.arange(b, device=device).repeat_interleave(length), None, (b, length))
+        return layers.TokenParams(tokens=prepared(cfg, t, cfg.num_heads // self.tp_size, cfg.num_kv_heads // self.tp_size))
 
     def token_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, temperature: float = 1.0,
                        mask: torch.Tensor | None = None) -> torch.Tensor:

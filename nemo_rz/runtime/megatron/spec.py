@@ -1,0 +1,93 @@
+"""The Megatron learner's model description: which DecoderConfig features it builds, the TransformerConfig, and
+the layer spec of every layer (Megatron's TransformerBlock takes one spec per layer, so layers may differ:
+attention window, RoPE, dense MLP or mixture of experts).
+
+`consistent` puts nemo_rz.ops inside every Megatron submodule (layers.py); `fast` is Megatron's own local spec.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from nemo_rz.models.config import DecoderConfig
+from nemo_rz.runtime.megatron import layers
+
+# DecoderConfig fields this model builds; any other field must keep its default (a family the Megatron
+# learner does not build yet is refused, not trained wrongly).
+SUPPORTED = {"vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+             "rope_theta", "rms_norm_eps", "qk_norm", "attention_bias", "tie_word_embeddings",
+             "max_position_embeddings", "sliding_window", "dtype"}
+
+
+def check_supported(cfg: DecoderConfig, fast: bool) -> None:
+    plain = DecoderConfig(**{k: getattr(cfg, k) for k in SUPPORTED})  # the same model without other features
+    for f in dataclasses.fields(cfg):
+        if getattr(cfg, f.name) != getattr(plain, f.name):
+            raise ValueError(f"model {f.name} = {getattr(cfg, f.name)!r}: the Megatron learner builds dense "
+                             "RMSNorm/RoPE/GQA/SwiGLU decoders only; use runtime.learner=builtin for this model")
+    if fast and cfg.sliding_window is not None:
+        raise ValueError("model sliding_window: the Megatron learner's fast kernels (Megatron's attention) have no "
+                         "sliding window; use kernels=consistent or runtime.learner=builtin")
+
+
+def transformer_config(cfg: DecoderConfig, tp: int) -> TransformerConfig:
+    with warnings.catch_warnings():  # a deprecation notice about CUDA graphs, which the learner does not use
+        warnings.filterwarnings("ignore", message="full scope is deprecated")
+        return _transformer_config(cfg, tp)
+
+
+def _transformer_config(cfg: DecoderConfig, tp: int) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=cfg.attention_bias, qk_layernorm=cfg.qk_norm,
+        tensor_model_parallel_size=tp, params_dtype=cfg.torch_dtype, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def layer_spec(cfg: DecoderConfig, layer: int, fast: bool) -> ModuleSpec:
+    """Layer `layer`: Megatron's local spec (fast) or the same layer with nemo_rz.ops submodules."""
+    local = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
+    attn = local.submodules.self_attention
+    core = functools.partial(layers.CoreAttention, model_config=cfg, fast_attention=DotProductAttention if fast else None)
+    if fast:
+        attn_sub = dataclasses.replace(attn.submodules, core_attention=core)
+        layer_sub = dataclasses.replace(local.submodules, self_attention=dataclasses.replace(attn, submodules=attn_sub))
+        norm = layer_sub.input_layernorm
+    else:
+        qk = layers.RMSNorm if cfg.qk_norm else attn.submodules.q_layernorm  # IdentityOp without qk-norm
+        attn_sub = dataclasses.replace(attn.submodules, linear_qkv=layers.ColumnLinear, core_attention=core,
+                                       linear_proj=layers.RowLinear, q_layernorm=qk, k_layernorm=qk)
+        layer_sub = dataclasses.replace(local.submodules, input_layernorm=layers.RMSNorm, pre_mlp_layernorm=layers.RMSNorm,
+                                        self_attention=dataclasses.replace(attn, submodules=attn_sub),
+                                        mlp=mlp_spec(cfg, layer))
+        norm = layers.RMSNorm
+    return dataclasses.replace(local, submodules=layer_sub), norm
+
+
+def mlp_spec(cfg: DecoderConfig, layer: int):
+    """Layer `layer`'s MLP in the consistent spec: dense, or a mixture of experts (moe.py) where the config has one."""
+    if cfg.is_moe(layer):
+        from nemo_rz.runtime.megatron import moe
+
+        return moe.spec(cfg, layer)
+    return layers.MLP
+
+
+def block_spec(cfg: DecoderConfig, fast: bool) -> ModuleSpec:
+    """The transformer block: one spec per layer, then the final norm."""
+    specs = [layer_spec(cfg, i, fast) for i in range(cfg.num_layers)]
+    return ModuleSpec(module=TransformerBlock,
+                      submodules=TransformerBlockSubmodules(layer_specs=[s for s, _ in specs], layer_norm=specs[-1][1]))
