@@ -52,6 +52,8 @@ MEGATRON_TENSORS = {
     "decoder.layers.{i}.self_attention.linear_qkv.weight": ("qkv", tuple(f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv")),
     "decoder.layers.{i}.self_attention.linear_qkv.bias": ("qkv", tuple(f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv")),
     "decoder.layers.{i}.self_attention.linear_proj.weight": ("same", ("model.layers.{i}.self_attn.o_proj.weight",)),
+    "decoder.layers.{i}.self_attention.linear_proj.bias": ("same", ("model.layers.{i}.self_attn.o_proj.bias",)),
+    "decoder.layers.{i}.self_attention.core_attention.sinks": ("same", ("model.layers.{i}.self_attn.sinks",)),
     "decoder.layers.{i}.mlp.linear_fc1.weight": ("gate_up", ("model.layers.{i}.mlp.gate_proj.weight",
                                                              "model.layers.{i}.mlp.up_proj.weight")),
     "decoder.layers.{i}.mlp.linear_fc2.weight": ("same", ("model.layers.{i}.mlp.down_proj.weight",)),

@@ -55,8 +55,16 @@ class Gemma3(Family):
         return names
 
 
-    def megatron_tensors(self):  # its layers are not built by the Megatron learner yet
-        return None
+    def megatron_tensors(self):
+        """The sandwich's norms: the pre-MLP norm is pre_feedforward_layernorm; the post-attention and post-MLP
+        norms live in the layers' bias-dropout-add slots (runtime/megatron/layers.NormAdd)."""
+        names = super().megatron_tensors()
+        names.update({
+            "decoder.layers.{i}.pre_mlp_layernorm.weight": ("same", ("model.layers.{i}.pre_feedforward_layernorm.weight",)),
+            "decoder.layers.{i}.self_attn_bda.norm.weight": ("same", ("model.layers.{i}.post_attention_layernorm.weight",)),
+            "decoder.layers.{i}.mlp_bda.norm.weight": ("same", ("model.layers.{i}.post_feedforward_layernorm.weight",)),
+        })
+        return names
 
 FAMILY = Gemma3("Gemma3ForCausalLM", "gemma3_text", True, "config", 131072, 256, "layer_types", 1e-6, True, 1e6,
                 local_theta=10000.0, default_window=4096, window_pattern=6, gguf_arch="gemma3", rank=10)

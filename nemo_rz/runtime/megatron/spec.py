@@ -3,6 +3,15 @@ the layer spec of every layer (Megatron's TransformerBlock takes one spec per la
 attention window, RoPE, dense MLP or mixture of experts).
 
 `consistent` puts nemo_rz.ops inside every Megatron submodule (layers.py); `fast` is Megatron's own local spec.
+
+Dense families built (consistent): Qwen3, Qwen2, Llama, Mistral (sliding windows everywhere, or per layer from
+layer_types), Gemma 3 (Gemma norms; the sandwich's post norms in the layers' bias-dropout-add slots,
+layers.NormAdd; GELU-tanh; the embedding scale at the first layer's input, layers.ScaledInputLayer, since
+Megatron's GPTModel builds its embedding and TransformerBlock itself and the first layer is where a spec reaches;
+the sliding layers' own RoPE theta; query_pre_attn_scalar) and gpt-oss's attention (learned sinks, YaRN,
+o_proj bias, float32-weight RMSNorm).
+The fast spec is Megatron's stock modules: what they have no such feature for is refused in one line
+(`FAST_REFUSED`), not approximated.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from nemo_rz.models import layers as models_layers
 from nemo_rz.models.config import DecoderConfig
 from nemo_rz.runtime.megatron import layers
 
@@ -24,18 +34,32 @@ from nemo_rz.runtime.megatron import layers
 # learner does not build yet is refused, not trained wrongly).
 SUPPORTED = {"vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
              "rope_theta", "rms_norm_eps", "qk_norm", "attention_bias", "tie_word_embeddings",
-             "max_position_embeddings", "sliding_window", "dtype"}
+             "max_position_embeddings", "sliding_window", "dtype", "layer_types", "attention_sinks", "o_proj_bias",
+             "query_pre_attn_scalar", "rope_scaling", "rope_local_theta", "norm", "sandwich_norm", "hidden_act",
+             "embed_scale"}
+# What Megatron's stock modules (the fast spec) have no such feature for: {field: what is missing}.
+FAST_REFUSED = {
+    "sliding_window": "Megatron's DotProductAttention has no sliding window",
+    "attention_sinks": "Megatron's DotProductAttention has no learned sinks",
+    "o_proj_bias": "Megatron's add_bias_linear would give the MLP biases too",
+    "norm": "Megatron's local RMSNorm applies its weight in the model dtype only",
+    "sandwich_norm": "Megatron's TransformerLayer has no post-attention / post-MLP norms",
+    "embed_scale": "Megatron's embedding has no scale",
+}
 
 
 def check_supported(cfg: DecoderConfig, fast: bool) -> None:
     plain = DecoderConfig(**{k: getattr(cfg, k) for k in SUPPORTED})  # the same model without other features
     for f in dataclasses.fields(cfg):
         if getattr(cfg, f.name) != getattr(plain, f.name):
-            raise ValueError(f"model {f.name} = {getattr(cfg, f.name)!r}: the Megatron learner builds dense "
-                             "RMSNorm/RoPE/GQA/SwiGLU decoders only; use runtime.learner=builtin for this model")
-    if fast and cfg.sliding_window is not None:
-        raise ValueError("model sliding_window: the Megatron learner's fast kernels (Megatron's attention) have no "
-                         "sliding window; use kernels=consistent or runtime.learner=builtin")
+            raise ValueError(f"model {f.name} = {getattr(cfg, f.name)!r}: the Megatron learner does not build this "
+                             "feature yet; use runtime.learner=builtin for this model")
+    if fast:
+        for name, why in FAST_REFUSED.items():
+            value = getattr(cfg, name)
+            if value != getattr(DecoderConfig(), name):
+                raise ValueError(f"model {name} = {value!r}: the Megatron learner's fast kernels cannot run it ({why}); "
+                                 "use kernels=consistent or runtime.learner=builtin")
 
 
 def transformer_config(cfg: DecoderConfig, tp: int) -> TransformerConfig:
@@ -44,12 +68,17 @@ def transformer_config(cfg: DecoderConfig, tp: int) -> TransformerConfig:
         return _transformer_config(cfg, tp)
 
 
+# the fast spec's activations (the consistent MLP runs models.layers.gated)
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
 def _transformer_config(cfg: DecoderConfig, tp: int) -> TransformerConfig:
     return TransformerConfig(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_heads, num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=cfg.attention_bias, qk_layernorm=cfg.qk_norm,
+        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True,
+        activation_func=_ACTIVATIONS[cfg.hidden_act], add_bias_linear=cfg.o_proj_bias, add_qkv_bias=cfg.attention_bias,
+        qk_layernorm=cfg.qk_norm, softmax_scale=None if cfg.query_pre_attn_scalar is None else cfg.attention_scale,
         tensor_model_parallel_size=tp, params_dtype=cfg.torch_dtype, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
@@ -67,13 +96,20 @@ def layer_spec(cfg: DecoderConfig, layer: int, fast: bool) -> ModuleSpec:
         layer_sub = dataclasses.replace(local.submodules, self_attention=dataclasses.replace(attn, submodules=attn_sub))
         norm = layer_sub.input_layernorm
     else:
-        qk = layers.RMSNorm if cfg.qk_norm else attn.submodules.q_layernorm  # IdentityOp without qk-norm
+        norm = ModuleSpec(module=layers.Norm, params={"model_config": cfg})
+        qk = norm if cfg.qk_norm else attn.submodules.q_layernorm  # IdentityOp without qk-norm
         attn_sub = dataclasses.replace(attn.submodules, linear_qkv=layers.ColumnLinear, core_attention=core,
                                        linear_proj=layers.RowLinear, q_layernorm=qk, k_layernorm=qk)
-        layer_sub = dataclasses.replace(local.submodules, input_layernorm=layers.RMSNorm, pre_mlp_layernorm=layers.RMSNorm,
+        sandwich = {}
+        if cfg.sandwich_norm:  # Gemma's post norms, in the bias-dropout-add slots (layers.NormAdd)
+            post = ModuleSpec(module=layers.NormAdd, params={"model_config": cfg})
+            sandwich = dict(self_attn_bda=post, mlp_bda=post)
+        layer_sub = dataclasses.replace(local.submodules, input_layernorm=norm, pre_mlp_layernorm=norm,
                                         self_attention=dataclasses.replace(attn, submodules=attn_sub),
-                                        mlp=mlp_spec(cfg, layer))
-        norm = layers.RMSNorm
+                                        mlp=mlp_spec(cfg, layer), **sandwich)
+    if cfg.embed_scale and layer == 0:  # the embeddings times embed_scale, at the first layer's input
+        local = dataclasses.replace(local, module=layers.ScaledInputLayer,
+                                    params={**local.params, "scale": models_layers.embed_scale(cfg)})
     return dataclasses.replace(local, submodules=layer_sub), norm
 
 
@@ -83,7 +119,7 @@ def mlp_spec(cfg: DecoderConfig, layer: int):
         from nemo_rz.runtime.megatron import moe
 
         return moe.spec(cfg, layer)
-    return layers.MLP
+    return layers.MLP.of(cfg.hidden_act)
 
 
 def block_spec(cfg: DecoderConfig, fast: bool) -> ModuleSpec:
