@@ -1,7 +1,9 @@
 """The Megatron-core learner: the built-in Decoder's logprobs bit for bit at TP=1 and at TP=2 (consistent
-kernels; Megatron's own layers are the negative control), weights converted both ways, DP=2 gradients equal
+kernels; Megatron's own layers are the negative control), for every dense family (Gemma 3, Mistral, Qwen2's
+window mix, gpt-oss's attention) and every precision recipe, weights converted both ways, DP=2 gradients equal
 to DP=1's over the same shares, and the train CLI over 2 processes (gloo): training with zero kernel mismatch,
 and a rank that dies stopping the job with one line and an intact checkpoint."""
+import dataclasses
 import json
 import os
 import signal
@@ -16,12 +18,16 @@ import torch
 pytest.importorskip("megatron.core")
 
 from conftest import tiny_model  # noqa: E402
-from megatron_ranks import VOCAB, batch, learner, rl_batch  # noqa: E402
+from megatron_ranks import FAMILIES, QUANT_MODEL, TP2_FAMILIES, VOCAB, batch, family_model, learner, rl_batch, with_values  # noqa: E402
 
 from nemo_rz import ops  # noqa: E402
+from nemo_rz.models import Decoder  # noqa: E402
 from nemo_rz.parallel.tensor import tree_sum  # noqa: E402
+from nemo_rz.quant.apply import apply_precision  # noqa: E402
+from nemo_rz.quant.linear import RECIPES, Precision  # noqa: E402
 from nemo_rz.runtime import checkpoint  # noqa: E402
 from nemo_rz.runtime.megatron import convert, distributed, launch  # noqa: E402
+from nemo_rz.runtime.megatron import precision as megatron_precision  # noqa: E402
 from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
 from nemo_rz.runtime.megatron.model import MegatronPolicy  # noqa: E402
 
@@ -73,6 +79,72 @@ def test_tp1_logprobs_equal_the_builtin_decoder_bit_for_bit(family):
     with ops.use_kernels("fast"):  # negative control: Megatron's own layers
         fast = policy(model, "fast").token_logprobs(ids, lengths)
     assert not torch.equal(fast, want) and torch.allclose(fast, want, atol=1e-4)
+
+
+def _same_weights(got: dict, want: dict) -> bool:
+    return got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_tp1_logprobs_and_weights_equal_the_builtin_decoder_bit_for_bit(name):
+    model = family_model(name)
+    ids, lengths = batch()
+    want = model.token_logprobs(ids, lengths)
+    p = policy(model, "consistent")
+    assert torch.equal(p.token_logprobs(ids, lengths), want)
+    assert _same_weights(p.state_dict(), model.state_dict())  # Hugging Face names, through the family's map
+    # negative controls: each feature changes the logprobs (a Megatron model without it could not equal them) ...
+    for off in FAMILIES[name][1]:
+        plain = Decoder(dataclasses.replace(model.config, **off))
+        plain.load_state_dict(model.state_dict(), strict=False)
+        assert not torch.equal(plain.token_logprobs(ids, lengths), want), off
+    # ... and Megatron's stock modules (the fast spec) refuse what they have no such feature for, in one line
+    with ops.use_kernels("fast"), pytest.raises(ValueError, match=r"^model \w+ = .*fast kernels cannot run it \(.*\); use"):
+        MegatronPolicy(model.config)
+
+
+def _quant_pair(recipe: str):
+    """(the Decoder at `recipe`, a TP=1 Megatron policy with the same master weights, not yet quantized)."""
+    model = with_values(tiny_model(0, vocab_size=VOCAB, **QUANT_MODEL))
+    p = policy(model, "consistent")
+    return apply_precision(model, recipe), p
+
+
+@pytest.mark.parametrize("recipe", ["bf16", *RECIPES])
+def test_precision_recipe_tp1_logprobs_equal_the_builtin_decoder_bit_for_bit(recipe):
+    model, p = _quant_pair(recipe)
+    ids, lengths = batch()
+    want = model.token_logprobs(ids, lengths)
+    plain = p.token_logprobs(ids, lengths)
+    assert not torch.equal(plain, want)  # negative control: the recipe changes the logprobs
+    got = megatron_precision.apply_precision(p, recipe).token_logprobs(ids, lengths)
+    assert torch.equal(got, want)
+    got.sum().backward()  # straight-through to the master weights
+    assert all(torch.isfinite(q.grad).all() for q in p.gpt.parameters() if q.grad is not None)
+
+
+def test_precision_quantizes_each_hugging_face_weight_whole():
+    """Negative control: quantizing Megatron's fused q/k/v and gate/up weights as one tensor (one fp8_current
+    scale for all of them) gives other weights than the Decoder's, and other logprobs."""
+    model, p = _quant_pair("fp8_current")
+    ids, lengths = batch()
+    megatron_precision.apply_precision(p, "fp8_current")
+    for m in p.gpt.modules():
+        product = getattr(m, "product", None)
+        if isinstance(product, megatron_precision.QuantizedProduct):
+            product.join = "same"
+    assert not torch.equal(p.token_logprobs(ids, lengths), model.token_logprobs(ids, lengths))
+
+
+def test_precision_settings_the_megatron_learner_cannot_run_are_refused_in_one_line():
+    model, p = _quant_pair("none")
+    with pytest.raises(ValueError, match="^precision.activation_scaling=tensor: .*; use row$"):
+        megatron_precision.apply_precision(p, Precision("fp8_current", activation_scaling="tensor"))
+    with pytest.raises(ValueError, match="^precision.modules=experts: the model has no such layers"):
+        megatron_precision.apply_precision(p, Precision("mxfp8", "experts"))
+    odd = tiny_model(0, vocab_size=VOCAB, intermediate_size=80)
+    with pytest.raises(ValueError, match=r"^precision.recipe=mxfp8: model.layers.0.mlp.down_proj has 80 inputs"):
+        megatron_precision.apply_precision(policy(odd, "consistent"), "mxfp8")
 
 
 def test_weights_convert_both_ways_with_fused_qkv_and_gate_up():
@@ -128,6 +200,21 @@ def test_tp2_logprobs_equal_tp1_and_the_decoder_bit_for_bit(ranks):
     with ops.use_kernels("fast"):
         fast_tp1 = policy(model, "fast").token_logprobs(ids, lengths)
     assert not torch.equal(ranks["tp2_fast"], fast_tp1) and torch.allclose(ranks["tp2_fast"], fast_tp1, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", TP2_FAMILIES)
+def test_family_tp2_logprobs_and_weights_equal_the_builtin_decoder_bit_for_bit(ranks, name):
+    model = family_model(name)
+    ids, lengths = batch()
+    assert torch.equal(ranks[f"tp2_{name}"], model.token_logprobs(ids, lengths))
+    assert _same_weights(ranks[f"tp2_{name}_weights"], model.state_dict())
+
+
+def test_precision_recipes_tp2_logprobs_equal_the_builtin_decoder_bit_for_bit(ranks):
+    ids, lengths = batch()
+    for recipe in ("bf16", *RECIPES):
+        model, _ = _quant_pair(recipe)
+        assert torch.equal(ranks[f"tp2_quant_{recipe}"], model.token_logprobs(ids, lengths)), recipe
 
 
 def _update(grad_shares: int):

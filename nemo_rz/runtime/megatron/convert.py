@@ -50,8 +50,31 @@ def _rules(cfg: DecoderConfig) -> list[tuple[str, list[str], str]]:
     out = []
     for meg, (join, names) in table.items():
         for i in range(cfg.num_layers) if "{i}" in meg else (None,):
-            out.append((meg.format(i=i), [n.format(i=i) for n in names], join))
+            # {e}: one Megatron tensor per expert, expert e of a stacked nemo_rz tensor (join "expert:e")
+            for e in range(cfg.num_experts) if "{e}" in meg else (None,):
+                out.append((meg.format(i=i, e=e), [n.format(i=i) for n in names], join if e is None else f"{join}:{e}"))
     return out
+
+
+def _expert(join: str) -> int | None:
+    """The expert index of an "expert:e" join (one expert of a stacked [E, ...] tensor), else None."""
+    kind, _, e = join.partition(":")
+    return int(e) if kind == "expert" else None
+
+
+def joins(cfg: DecoderConfig) -> dict[str, tuple[str, list[str]]]:
+    """{Megatron tensor name: (how it joins, its nemo_rz / Hugging Face names)} of every tensor the family maps."""
+    return {m: (join, names) for m, names, join in _rules(cfg)}
+
+
+def split(name: str, t: torch.Tensor, cfg: DecoderConfig, join: str) -> list[torch.Tensor]:
+    """A whole Megatron tensor's nemo_rz parts (its `join` undone)."""
+    return list(_JOINS[join][1](t, cfg))
+
+
+def joined(parts: list[torch.Tensor], cfg: DecoderConfig, join: str) -> torch.Tensor:
+    """The whole Megatron tensor of its nemo_rz parts."""
+    return _JOINS[join][0](parts, cfg)
 
 
 def _uncovered(given: dict, covered: set, what: str) -> None:
@@ -64,14 +87,25 @@ def to_megatron(hf: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, to
     """Hugging Face-named weights (the built-in Decoder's state_dict) -> Megatron GPTModel names, whole tensors."""
     rules = [(m, names, join) for m, names, join in _rules(cfg) if all(n in hf for n in names)]
     _uncovered(hf, {n for _, names, _ in rules for n in names}, "to_megatron")
-    return {m: _JOINS[join][0]([hf[n] for n in names], cfg) for m, names, join in rules}
+    return {m: hf[names[0]][_expert(join)] if _expert(join) is not None else _JOINS[join][0]([hf[n] for n in names], cfg)
+            for m, names, join in rules}
 
 
 def to_hf(meg: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
     """Megatron names, whole tensors -> Hugging Face names (what the rollout engines load)."""
     rules = [r for r in _rules(cfg) if r[0] in meg]
     _uncovered(meg, {m for m, _, _ in rules}, "to_hf")
-    return {n: t for m, names, join in rules for n, t in zip(names, _JOINS[join][1](meg[m], cfg))}
+    out, experts = {}, {}
+    for m, names, join in rules:
+        if _expert(join) is not None:
+            experts.setdefault(names[0], {})[_expert(join)] = meg[m]
+        else:
+            out.update(zip(names, _JOINS[join][1](meg[m], cfg)))
+    for n, parts in experts.items():  # per-expert tensors stacked back in expert order
+        if sorted(parts) != list(range(cfg.num_experts)):
+            raise ValueError(f"to_hf: {n} needs all {cfg.num_experts} experts' tensors, got experts {sorted(parts)}")
+        out[n] = torch.stack([parts[e] for e in range(cfg.num_experts)])
+    return out
 
 
 def _is_gated(name: str) -> bool:
