@@ -189,7 +189,7 @@ SCHEMA: dict[str, Key] = {
     "runtime.learner": Choice(("builtin", "megatron"), fixed=True, why="megatron needs the megatron extra"),
     "megatron.tp": Int(1, fixed=True, why="tensor-parallel ranks"),
     "megatron.pp": Int(1, 1, fixed=True, why="pipeline parallelism is not supported yet"),
-    "megatron.cp": Int(1, 1, fixed=True, why="context parallelism is not supported yet"),
+    "megatron.cp": Int(1, fixed=True, why="context-parallel ranks (each sequence's tokens split over them)"),
     "megatron.ep": Int(1, 1, fixed=True, why="expert parallelism is not supported yet"),
     "megatron.dp": Int(1, fixed=True, why="data-parallel ranks"),
     "megatron.grad_shares": Int(1, optional=True, null_means="for megatron.dp", fixed=True),

@@ -87,7 +87,8 @@ from nemo_rz.parallel.tensor import gather_parts, tree_sum
 if TYPE_CHECKING:
     from nemo_rz.models.draft import DraftHead
 
-__all__ = ["ZigzagShard", "branch_attention", "cp_draft_loss", "cp_token_logprobs", "reduce_gradients", "ring_attention"]
+__all__ = ["ZigzagShard", "branch_attention", "check_model", "cp_draft_loss", "cp_token_logprobs", "reduce_gradients",
+           "ring_attention", "tree_reduce"]
 
 _RING_TAG, _RETURN_TAG = 11, 12  # point-to-point tags: ring transfers, dK/dV partials on their way home
 
@@ -148,23 +149,31 @@ class ZigzagShard:
         return out
 
 
+def check_model(cfg) -> None:
+    """Refuse, in one line, a model whose attention or layers the ring does not compute (a DecoderConfig)."""
+    kinds = [name for name, used in (("sliding-window attention", any(w is not None for w in cfg.windows())),
+                                     ("attention sinks", cfg.attention_sinks),
+                                     ("mixture-of-experts layers", cfg.num_experts > 0)) if used]
+    if kinds:
+        raise ValueError(f"context parallelism runs dense full-attention decoders; this model has {', '.join(kinds)}: "
+                         "run it without context parallelism (megatron.cp=1, or Decoder.token_logprobs)")
+
+
 def cp_token_logprobs(model: Decoder, input_ids: torch.Tensor, cu_seqlens, group=None,
                       temperature: float = 1.0) -> tuple[torch.Tensor, ZigzagShard]:
     """The decoder's token logprobs of a packed row over the ranks of `group` (None: the default group, or one
     process without torch.distributed). Every rank passes the whole row `input_ids` [T] (T = cu_seqlens[-1]);
     each runs the model on its shard's tokens only (attention through `ring_attention`).
 
+    `model`: a Decoder, or any model with its `config` (a DecoderConfig), `hidden(tokens)` (per-token features
+    [n, ...] of a decoder.Tokens whose `attend` computes every layer's attention) and `logits(features)` ([m,
+    vocab] of some of those rows): the Megatron learner's policy under megatron.cp (runtime/megatron/context.py).
+
     Returns (float32 [n] in the shard's local order: log p(token after it | its sequence so far) at
     `temperature`, 0 at each sequence's last token; the shard). Differentiable: after backward each rank
     holds its part of the parameter gradients (`reduce_gradients` adds them up); `shard.gather(logprobs,
     group)` puts every rank's values back in row order."""
-    cfg = model.config
-    kinds = [name for name, used in (("sliding-window attention", any(w is not None for w in cfg.windows())),
-                                     ("attention sinks", cfg.attention_sinks),
-                                     ("mixture-of-experts layers", cfg.num_experts > 0)) if used]
-    if kinds:
-        raise ValueError(f"context parallelism runs dense full-attention decoders; this model has {', '.join(kinds)}: "
-                         "run it without context parallelism (Decoder.token_logprobs)")
+    check_model(model.config)
     cu = [int(c) for c in cu_seqlens]
     if input_ids.dim() != 1 or input_ids.is_floating_point() or input_ids.shape[0] != cu[-1]:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} {input_ids.dtype}: need one packed row of token ids "
@@ -261,20 +270,32 @@ def draft_attention(q, keys, values, scale, shard: ZigzagShard, group):
 
 def reduce_gradients(module: torch.nn.Module, group=None) -> None:
     """Replace each parameter's gradient on every rank of `group` by the sum of all ranks' gradients, added in a
-    fixed tree over rank order (parallel.tensor.tree_sum), never in arrival order: the same bits on every rank
-    and in every run. Holds every rank's gradients at once (world copies), which suits this project's CPU
-    learners. A parameter without a gradient counts as zeros."""
+    fixed tree over rank order (`tree_reduce`), never in arrival order: the same bits on every rank and in every
+    run. A parameter without a gradient counts as zeros."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-    for p in module.parameters():
-        if p.requires_grad:
-            by_dtype.setdefault(p.dtype, []).append(p)
-    for params in by_dtype.values():
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p, g in zip(params, tree_reduce([p.grad for p in params], params, group)):
+        p.grad = g
+
+
+def tree_reduce(tensors: list[torch.Tensor | None], like: list[torch.Tensor], group=None) -> list[torch.Tensor]:
+    """Every rank's `tensors` (one per entry of `like`, None: zeros of its shape) summed over the ranks of `group`
+    in a fixed tree over rank order (parallel.tensor.tree_sum), one flat gather per dtype: the same bits on every
+    rank and in every run. Holds every rank's tensors at once (world copies), which suits this project's CPU
+    learners. One process (or a group of one): the tensors themselves (zeros for None)."""
+    out = [torch.zeros_like(x) if t is None else t for t, x in zip(tensors, like, strict=True)]
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return out
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(out):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for index in by_dtype.values():
+        flat = torch.cat([out[i].reshape(-1) for i in index])
         total = tree_sum(gather_parts(flat, group))
-        for p, g in zip(params, total.split([p.numel() for p in params])):
-            p.grad = g.view_as(p)
+        for i, g in zip(index, total.split([out[i].numel() for i in index])):
+            out[i] = g.view_as(out[i])
+    return out
 
 
 def ring_attention(q, k, v, shard: ZigzagShard, scale: float, group=None) -> torch.Tensor:

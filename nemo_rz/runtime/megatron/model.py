@@ -23,7 +23,7 @@ from nemo_rz import ops
 from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.decoder import Tokens, prepared
 from nemo_rz.parallel.tensor import gather_last, gather_parts
-from nemo_rz.runtime.megatron import convert, distributed, layers, spec
+from nemo_rz.runtime.megatron import context, convert, distributed, layers, spec
 
 # Megatron's own tensor-parallel layers advise, at their first forward, a CUDA stream setting: moot here.
 warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
@@ -58,6 +58,7 @@ class MegatronPolicy(nn.Module):
                                            self.tp_size, cfg.torch_dtype)
             self.gpt.output_layer = layers.ColumnLinear(cfg.hidden_size, self.padded_vocab, config=mcfg,
                                                         skip_weight_param_allocation=tied, tp_group=self.tp)
+        self.context = context.for_policy(self)  # megatron.cp > 1: packed rows over the context-parallel ranks
 
     # -- forward ----------------------------------------------------------------------------------
     def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -86,6 +87,8 @@ class MegatronPolicy(nn.Module):
                        mask: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [B, T-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) at `temperature`; 0 past each length
         and, with `mask` ([B, T-1]), where it is 0 (the built-in Decoder's contract; computed at every position)."""
+        if self.context is not None:  # the token layout of context parallelism (context.py)
+            return zero_outside(self.context.token_logprobs(input_ids, lengths, temperature), mask)
         b, length = input_ids.shape
         logits = self._logits(input_ids)[:, :-1]
         targets = input_ids[:, 1:]

@@ -1,0 +1,106 @@
+"""Context parallelism on the Megatron learner (megatron.cp = 2, runtime/megatron/context.py): one launch of 2
+ranks (tests/megatron_context_ranks.py) for every multi-rank check.
+
+- Logprobs: a batch of sequences of different lengths (attention crossing the ranks), packed and split by the
+  zigzag shard, equals cp = 1's Megatron policy and the built-in Decoder bit for bit, on both ranks; so does one
+  short sequence that leaves rank 1 without tokens; the loss mask zeroes as at cp = 1.
+- Gradients: the ranks' parts added in a fixed tree over the group: the same bits on both ranks and run to run;
+  equal to cp = 1's within float32 rounding, not bit for bit (cp = 1 sums a weight's gradient over all tokens in
+  one product, and its attention's backward is the library's; the ring's is its own, in fixed orders). A learner
+  update: the loss (from the bit-equal logprobs) equals cp = 1's bit for bit, the gradients within rounding, and
+  rank 0's Decoder mirror follows the step.
+- Negative controls: the ring's partials merged in arrival order change logprobs and gradients; Megatron's own
+  layers (fast kernels) differ from the consistent logprobs at cp = 1 and are refused at cp = 2 in one line, as
+  is a sliding window (the ring is full causal attention only).
+"""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_context_ranks import LENGTHS, batch, learner, loss_weights, model, policy, rl_batch  # noqa: E402
+
+from nemo_rz import ops  # noqa: E402
+from nemo_rz.runtime.megatron import distributed, launch  # noqa: E402
+from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAD_REL = 2e-6  # cp = 2 vs cp = 1 gradients: the largest difference over each parameter's largest entry
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    distributed.init(Layout())
+    yield
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp") / "out.pt"
+    code = launch.start([sys.executable, str(ROOT / "tests" / "megatron_context_ranks.py"), str(out)], 2)
+    assert code == 0
+    return torch.load(out)
+
+
+def _cp1_grads(ids, lengths):
+    p = policy(model())
+    lp = p.token_logprobs(ids, lengths)
+    (lp * loss_weights()[: ids.shape[0], : ids.shape[1] - 1]).sum().backward()
+    return lp.detach(), [q.grad for q in p.parameters()]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = GRAD_REL) -> bool:
+    return bool((a - b).abs().max() <= rel * b.abs().max())
+
+
+def test_cp2_logprobs_equal_cp1_and_the_decoder_bit_for_bit(ranks):
+    ids, lengths = batch()
+    want = model().token_logprobs(ids, lengths)
+    cp1, _ = _cp1_grads(ids, lengths)
+    assert torch.equal(cp1, want)
+    assert all(torch.equal(lp, want) for lp in ranks["lp"])
+    short = ids[:1, :20]
+    assert ranks["short_tokens_here"].view(-1).tolist() == [20, 0]
+    assert all(torch.equal(lp, model().token_logprobs(short, torch.tensor([20]))) for lp in ranks["short_lp"])
+    mask = torch.rand(len(LENGTHS), max(LENGTHS) - 1, generator=torch.Generator().manual_seed(5)) < 0.5
+    assert torch.equal(ranks["masked_lp"], torch.where(mask, want, 0.0))
+    # Negative controls: the ring's partials in arrival order; Megatron's own layers at cp = 1.
+    assert ranks["arrival_order_differs"][0] > 0, "merging in ring-arrival order should change some logprobs"
+    with ops.use_kernels("fast"):
+        fast = policy(model(), "fast").token_logprobs(ids, lengths)
+    assert not torch.equal(fast, want) and torch.allclose(fast, want, atol=1e-4)
+
+
+def test_cp2_gradients_are_deterministic_and_equal_cp1_within_rounding(ranks):
+    assert ranks["grads_same_on_ranks"] and ranks["grads_same_run_to_run"]
+    ids, lengths = batch()
+    _, cp1 = _cp1_grads(ids, lengths)
+    assert all(_close(a, b) for a, b in zip(ranks["grads"], cp1, strict=True))
+    # Not bit for bit: each rank's weight gradients sum over its own tokens, then the ranks' parts are added.
+    assert not all(torch.equal(a, b) for a, b in zip(ranks["grads"], cp1))
+    _, short = _cp1_grads(ids[:1, :20], torch.tensor([20]))  # rank 1 held no token: its part is zeros
+    assert all(_close(a, b) for a, b in zip(ranks["short_grads"], short, strict=True))
+    assert ranks["arrival_order_differs"][1] > 0, "merging in ring-arrival order should change some gradients"
+
+
+def test_cp2_learner_update_matches_cp1(ranks):
+    m = model()
+    lrn = learner(m, Layout())
+    metrics, _ = lrn.rl_step(*rl_batch())
+    assert ranks["rl_metrics"]["loss"] == metrics["loss"]  # the loss of bit-equal logprobs
+    grads = [q.grad for q in lrn.model.parameters()]
+    assert all(_close(a, b) for a, b in zip(ranks["rl_grads"], grads, strict=True))
+    # The mirror (rank 0's Decoder) followed the step: the learner's weights, whole.
+    assert all(torch.equal(ranks["rl_weights"][k], v) for k, v in ranks["rl_mirror"].items())
+
+
+def test_what_the_ring_does_not_compute_is_refused_in_one_line(ranks):
+    assert "megatron.cp = 2 with kernels=fast" in ranks["fast_refused"] and "\n" not in ranks["fast_refused"]
+    assert "this model has sliding-window attention" in ranks["window_refused"]
