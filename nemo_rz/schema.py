@@ -193,6 +193,8 @@ SCHEMA: dict[str, Key] = {
     "megatron.ep": Int(1, 1, fixed=True, why="expert parallelism is not supported yet"),
     "megatron.dp": Int(1, fixed=True, why="data-parallel ranks"),
     "megatron.grad_shares": Int(1, optional=True, null_means="for megatron.dp", fixed=True),
+    "megatron.device": Choice(("cpu", "cuda"), why="cuda: rank r on cuda:LOCAL_RANK with NCCL"),
+    "megatron.heartbeat_s": Positive(why="seconds a learner rank may stay silent (stopped, stuck) before the job is stopped"),
     "generation.backend": Choice(("builtin", "vllm")),
     "precision.recipe": Choice(PRECISION_RECIPES, why="fp8_delayed is not offered: its amax history of earlier "
                                "batches would make a token's bits depend on them"),
@@ -514,11 +516,30 @@ def _check_cpus(plain: dict, cpus: int) -> None:
         if r[key] > cpus:
             raise ConfigError(f"runtime.{key} = {r[key]}: more threads than {where}; at most {cpus}")
     if r["learner"] == "megatron":
-        world = meg["tp"] * meg["pp"] * meg["cp"] * meg["dp"]
-        if world > cpus:
-            key = "megatron.tp" if meg["tp"] >= meg["dp"] else "megatron.dp"
-            raise ConfigError(f"{key} = {_lookup(plain, key)}: megatron.tp x pp x cp x dp = {meg['tp']} x {meg['pp']} x "
-                              f"{meg['cp']} x {meg['dp']} = {world} learner processes, more than {where}; at most {cpus} in all")
+        _check_ranks(plain, meg, cpus, where)
+
+
+# Learner ranks per core the Megatron learner accepts: up to this many share the cores (each with
+# runtime.learner_threads = 1 thread, taking turns; slower, with the same bits); more is refused as a mistake.
+MAX_RANKS_PER_CORE = 4
+
+
+def _check_ranks(plain: dict, meg: dict, cpus: int, where: str) -> None:
+    """The Megatron world against the cores: tp x pp x cp x dp ranks of runtime.learner_threads threads each.
+    Fitting (ranks x threads <= cores) runs as asked; more ranks than cores run with 1 thread each (launch.py
+    says so in one line); more threads than a core per rank then, or more than MAX_RANKS_PER_CORE ranks per
+    core, is refused."""
+    world = meg["tp"] * meg["pp"] * meg["cp"] * meg["dp"]
+    threads = plain["runtime"]["learner_threads"]
+    product = f"megatron.tp x pp x cp x dp = {meg['tp']} x {meg['pp']} x {meg['cp']} x {meg['dp']} = {world}"
+    if world > MAX_RANKS_PER_CORE * cpus:
+        key = max(("megatron.tp", "megatron.pp", "megatron.cp", "megatron.dp"), key=lambda k: _lookup(plain, k))
+        raise ConfigError(f"{key} = {_lookup(plain, key)}: {product} learner processes on {where}, more than "
+                          f"{MAX_RANKS_PER_CORE} per core; at most {MAX_RANKS_PER_CORE * cpus} in all")
+    if world * threads > cpus and threads > 1:
+        fit = max(1, cpus // world)
+        raise ConfigError(f"runtime.learner_threads = {threads}: {product} learner processes of {threads} threads each "
+                          f"need {world * threads} cores, more than {where}; at most {fit} with this layout")
 
 
 def memory_need(plain: dict, shape: Shape) -> dict[str, float]:

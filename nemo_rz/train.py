@@ -56,7 +56,8 @@ def _launch(argv) -> int | None:
         if run_dir is None:  # every rank must agree on it
             run_dir = f"runs/{cfg.task.name}-{time.strftime('%Y%m%d-%H%M%S')}"
             argv.append(f"run_dir={run_dir}")
-        return launch.start([sys.executable, "-m", "nemo_rz.train", *argv], world, run_dir)
+        heartbeat_s = float(OmegaConf.select(cfg, "megatron.heartbeat_s"))
+        return launch.start([sys.executable, "-m", "nemo_rz.train", *argv], world, run_dir, heartbeat_s=heartbeat_s)
     if rank:
         launch.follow(cfg)
         return 0

@@ -120,8 +120,13 @@ CASES = {
     "tp 64": (lambda t: ["runtime.learner=megatron", "megatron.tp=64"],
               "megatron.tp = 64: each rank holds 1/tp of the attention heads and MLP features, so tp must divide "
               "model.num_heads = 4, model.num_kv_heads = 2, model.intermediate_size = 192; choose one of 1, 2"),
-    "tp x dp over the cores": (lambda t: ["runtime.learner=megatron", "megatron.tp=2", "megatron.dp=2"],
-                               "megatron.tp x pp x dp = 2 x 1 x 2 = 4 learner processes, more than the 2 CPU core(s)"),
+    "tp x dp far over the cores": (lambda t: ["runtime.learner=megatron", "megatron.tp=2", "megatron.dp=8"],
+                                   "megatron.dp = 8: megatron.tp x pp x cp x dp = 2 x 1 x 1 x 8 = 16 learner processes "
+                                   "on the 2 CPU core(s) this process may use, more than 4 per core; at most 8 in all"),
+    "ranks x learner threads over the cores": (
+        lambda t: ["runtime.learner=megatron", "megatron.tp=2", "runtime.learner_threads=2"],
+        "runtime.learner_threads = 2: megatron.tp x pp x cp x dp = 2 x 1 x 1 x 1 = 2 learner processes of 2 threads "
+        "each need 4 cores, more than the 2 CPU core(s) this process may use; at most 1 with this layout"),
     "grad shares": (lambda t: ["runtime.learner=megatron", "megatron.dp=2", "megatron.grad_shares=3"],
                     "megatron.grad_shares = 3: not a multiple of megatron.dp = 2"),
     "a million prompts": (lambda t: ["algo.prompts_per_update=1000000"],
