@@ -36,7 +36,7 @@ def build(cfg: schema.Config) -> Parts:
     task = build_task(cfg.task, cfg.model)
     precision = build_precision(cfg.precision, cfg.runtime.learner)
     model = apply_precision(build_model(cfg.model, task.tokenizer), precision)
-    learner = build_learner(model, cfg.algo, cfg.runtime.learner, cfg.megatron, cfg.seed)
+    learner = build_learner(model, cfg.algo, cfg.runtime.learner, cfg.megatron, cfg.seed, precision)
     max_model_len = model_len(model, task, cfg.algo.max_new_tokens)  # every prompt checked, before work
     draft = build_draft(cfg.draft, cfg.algo.grad_clip, cfg.generation.backend, learner, model)
     return Parts(task, precision, model, learner, draft, max_model_len)
@@ -63,12 +63,9 @@ def build_task(t: schema.TaskSection, m: schema.ModelSection) -> Task:
 
 
 def build_precision(p: schema.PrecisionSection, learner: str) -> Precision:
-    """Low-precision linears: the rollout workers apply the same recipe to the same master weights."""
-    precision = Precision(**dataclasses.asdict(p))
-    if precision.enabled and learner != "builtin":
-        raise ValueError(f"precision.recipe={precision.recipe} needs runtime.learner=builtin: another learner "
-                         "runs linears of its own, which the rollout engines would not match")
-    return precision
+    """Low-precision linears: the learner (either: runtime/megatron/precision.py for megatron) and the rollout
+    workers apply the same recipe to the same master weights."""
+    return Precision(**dataclasses.asdict(p))
 
 
 def build_model(m: schema.ModelSection, tok: Tokenizer) -> Decoder:
@@ -93,12 +90,13 @@ def build_model(m: schema.ModelSection, tok: Tokenizer) -> Decoder:
     ))
 
 
-def build_learner(model: Decoder, a: schema.AlgoSection, kind: str, meg: schema.MegatronSection, seed: int) -> Learner:
+def build_learner(model: Decoder, a: schema.AlgoSection, kind: str, meg: schema.MegatronSection, seed: int,
+                  precision: Precision | None = None) -> Learner:
     """runtime.learner: builtin trains `model` itself; megatron trains its own copy, which `model` then mirrors."""
     if kind == "megatron":
         from nemo_rz.runtime.megatron.learner import from_config  # imports megatron-core
 
-        return from_config(meg, a, seed, model)
+        return from_config(meg, a, seed, model, None if precision is None else precision.as_dict())
     return Learner(model, a.lr, a.grad_clip, a.temperature, a.loss, a.correction, a.correction_params)
 
 

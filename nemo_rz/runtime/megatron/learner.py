@@ -26,6 +26,7 @@ from nemo_rz.runtime.megatron import distributed
 from nemo_rz.runtime.megatron.data_parallel import DataParallel
 from nemo_rz.runtime.megatron.layout import Layout
 from nemo_rz.runtime.megatron.model import MegatronPolicy
+from nemo_rz.runtime.megatron.precision import apply_precision
 
 _SHARED_ACROSS_HEADS = ("q_layernorm", "k_layernorm")  # replicated weights applied to each rank's own heads
 PEER_LOSS_GRACE_S = 10.0
@@ -55,10 +56,11 @@ def collective(method):
 
 class MegatronLearner(Learner):
     def __init__(self, mirror: Decoder | None, layout: Layout, lr: float, grad_clip: float | None, temperature: float,
-                 loss: str, correction: str, correction_params: dict, seed: int = 0, _init: tuple | None = None):
+                 loss: str, correction: str, correction_params: dict, seed: int = 0, precision: dict | None = None,
+                 _init: tuple | None = None):
         distributed.init(layout, seed)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        args = (layout, lr, grad_clip, temperature, loss, correction, dict(correction_params), seed)
+        args = (layout, lr, grad_clip, temperature, loss, correction, dict(correction_params), seed, precision)
         if _init is None:  # rank 0: the model's config and first weights come from the mirror
             _init = (mirror.config.to_dict(), mirror.state_dict())
             if self.world > 1:
@@ -66,6 +68,7 @@ class MegatronLearner(Learner):
         config, weights = _init
         policy = MegatronPolicy(DecoderConfig.from_dict(config))
         policy.load_state_dict(weights)
+        apply_precision(policy, precision)  # the recipe the mirror and the rollout engines run (precision.py)
         self.tp_group = distributed.tp_group()
         model = DataParallel(policy, layout.shares, distributed.dp_group())
         super().__init__(model, lr, grad_clip, temperature, loss, correction, correction_params)
@@ -210,8 +213,10 @@ class _Supervised:
         return False
 
 
-def from_config(m: schema.MegatronSection, a: schema.AlgoSection, seed: int, mirror: Decoder) -> MegatronLearner:
+def from_config(m: schema.MegatronSection, a: schema.AlgoSection, seed: int, mirror: Decoder,
+                precision: dict | None = None) -> MegatronLearner:
     """The learner that `runtime.learner=megatron` asks for, from the `megatron` and `algo` sections of the typed
-    config (nemo_rz.schema.typed), starting from `mirror`'s weights (rank 0 of the job)."""
+    config (nemo_rz.schema.typed), starting from `mirror`'s weights (rank 0 of the job), its linears at `precision`
+    (the `precision.*` the mirror and the rollout engines run)."""
     return MegatronLearner(mirror, Layout.from_section(m), a.lr, a.grad_clip, a.temperature, a.loss, a.correction,
-                           a.correction_params, seed=seed)
+                           a.correction_params, seed=seed, precision=precision)
