@@ -190,7 +190,7 @@ SCHEMA: dict[str, Key] = {
     "megatron.tp": Int(1, fixed=True, why="tensor-parallel ranks"),
     "megatron.pp": Int(1, 1, fixed=True, why="pipeline parallelism is not supported yet"),
     "megatron.cp": Int(1, fixed=True, why="context-parallel ranks (each sequence's tokens split over them)"),
-    "megatron.ep": Int(1, 1, fixed=True, why="expert parallelism is not supported yet"),
+    "megatron.ep": Int(1, fixed=True, why="expert-parallel ranks: the experts split over ep of the dp x cp ranks"),
     "megatron.dp": Int(1, fixed=True, why="data-parallel ranks"),
     "megatron.grad_shares": Int(1, optional=True, null_means="for megatron.dp", fixed=True),
     "megatron.device": Choice(("cpu", "cuda"), why="cuda: rank r on cuda:LOCAL_RANK with NCCL"),

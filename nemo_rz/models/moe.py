@@ -34,10 +34,22 @@ def transposed(weight: torch.Tensor) -> torch.Tensor:
     return derived(weight, "experts.t", lambda: weight.detach().transpose(1, 2).contiguous())
 
 
-def _router_logits(x: torch.Tensor, router: Linear) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """float32 router logits whatever the model dtype (a bf16 router's weights are exact in float32)."""
-    bias = None if router.bias is None else router.bias.float()
-    return ops.linear(x.float(), router.weight.float(), bias)
+    return ops.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+def route(cfg: DecoderConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The family's routing of float32 router logits [N, E] -> (weights [N, k] float32, experts [N, k]).
+    qwen3: softmax over all experts, top-k, renormalised when norm_topk_prob; gpt_oss: top-k over the logits,
+    softmax over the k chosen. (The Megatron learner's router runs this too: runtime/megatron/moe.py.)"""
+    if cfg.moe_kind == gpt_oss.FAMILY.moe_kind:
+        top, experts = ops.route_topk(logits, cfg.num_experts_per_tok)
+        return ops.softmax(top), experts
+    weights, experts = ops.route_topk(ops.softmax(logits), cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        weights = weights / _row_sum(weights)
+    return weights, experts
 
 
 def _pairs(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,13 +80,18 @@ class _Routed(nn.Module):
 
 @contextlib.contextmanager
 def recorded_routing(model: nn.Module):
-    """Yield {layer name: [experts [N, k] of each forward]} for every MoE layer of `model`, filled while inside."""
+    """Yield {layer name: [experts [N, k] of each forward]} for every MoE layer of `model`, filled while inside.
+    A layer with a `finish_routing_log(log)` method replaces its log with what that returns on leaving (the
+    Megatron learner's layers: every data-parallel share's forwards, as one batch)."""
     layers = {name: m for name, m in model.named_modules() if isinstance(m, _Routed)}
     logs = {name: [] for name in layers}
     for name, m in layers.items():
         m.routing_log = logs[name]
     try:
         yield logs
+        for name, m in layers.items():
+            if hasattr(m, "finish_routing_log"):
+                logs[name][:] = m.finish_routing_log(logs[name])
     finally:
         for m in layers.values():
             m.routing_log = None
@@ -92,11 +109,13 @@ class Qwen3MoeExperts(nn.Module):
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         return qwen3_moe.activation(gate_up)
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        rows, which = _pairs(x, experts)
+    def rows(self, rows: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        """Row m of rows [M, H] through expert which[m] (unweighted) -> [M, H]."""
         gate_up = ops.expert_linear(rows, which, transposed(self.gate_up_proj), None)
-        y = ops.expert_linear(self.activation(gate_up), which, transposed(self.down_proj), None)
-        return ops.moe_combine(y, weights, experts)
+        return ops.expert_linear(self.activation(gate_up), which, transposed(self.down_proj), None)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return ops.moe_combine(self.rows(*_pairs(x, experts)), weights, experts)
 
 
 class Qwen3Moe(_Routed):
@@ -104,17 +123,13 @@ class Qwen3Moe(_Routed):
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.cfg = cfg
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, False, cfg.torch_dtype)
         self.experts = Qwen3MoeExperts(cfg)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights [N, k] float32, experts [N, k])."""
-        probs = ops.softmax(_router_logits(x, self.gate))
-        weights, experts = ops.route_topk(probs, self.k)
-        if self.renormalize:
-            weights = weights / _row_sum(weights)
-        return weights, experts
+        return route(self.cfg, router_logits(x, self.gate.weight, self.gate.bias))
 
 
 class GptOssExperts(nn.Module):
@@ -132,11 +147,13 @@ class GptOssExperts(nn.Module):
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         return gpt_oss.activation(gate_up, self.limit)
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        rows, which = _pairs(x, experts)
+    def rows(self, rows: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+        """Row m of rows [M, H] through expert which[m] (unweighted) -> [M, H]."""
         gate_up = ops.expert_linear(rows, which, self.gate_up_proj, self.gate_up_proj_bias)
-        y = ops.expert_linear(self.activation(gate_up), which, self.down_proj, self.down_proj_bias)
-        return ops.moe_combine(y, weights, experts)
+        return ops.expert_linear(self.activation(gate_up), which, self.down_proj, self.down_proj_bias)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return ops.moe_combine(self.rows(*_pairs(x, experts)), weights, experts)
 
 
 class GptOssMoe(_Routed):
@@ -144,13 +161,12 @@ class GptOssMoe(_Routed):
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        self.k = cfg.num_experts_per_tok
+        self.cfg = cfg
         self.router = Linear(cfg.hidden_size, cfg.num_experts, True, cfg.torch_dtype)
         self.experts = GptOssExperts(cfg)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, experts = ops.route_topk(_router_logits(x, self.router), self.k)
-        return ops.softmax(logits), experts
+        return route(self.cfg, router_logits(x, self.router.weight, self.router.bias))
 
 
 KINDS = {qwen3_moe.FAMILY.moe_kind: Qwen3Moe, gpt_oss.FAMILY.moe_kind: GptOssMoe}  # the families' moe_kind

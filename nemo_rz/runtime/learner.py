@@ -177,7 +177,8 @@ class Learner:
             packed = isinstance(self.model, Decoder)  # the built-in Decoder's forward ran the packed tokens
 
             def padded(experts: torch.Tensor) -> torch.Tensor:
-                return (unpacked(experts, batch.lengths, length, -1) if packed else experts).view(b, length, -1)
+                # (a data-parallel policy's record may end with its padding rows: cut)
+                return (unpacked(experts, batch.lengths, length, -1) if packed else experts[: b * length]).view(b, length, -1)
 
             experts = torch.cat([padded(log[0]) for log in routing.values()], -1)[:, :-1]
             out["routing_diff_tokens"] = routing_diff_tokens(batch.rollout_routing, experts, batch.mask)

@@ -40,8 +40,14 @@ class GptOss(Family):
                    intermediate_size=cfg.moe_intermediate_size, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=SWIGLU_ALPHA)
 
 
-    def megatron_tensors(self):  # its layers are not built by the Megatron learner yet
-        return None
+    def megatron_tensors(self):
+        """The dense map, the biased router and the stacked experts with their biases (runtime/megatron/moe.py)."""
+        table = super().megatron_tensors()
+        mlp = "decoder.layers.{i}.mlp."
+        table.update({mlp + f"router.{p}": ("same", (f"model.layers.{{i}}.mlp.router.{p}",)) for p in ("weight", "bias")})
+        table.update({mlp + f"experts.{p}": ("same", (f"model.layers.{{i}}.mlp.experts.{p}",))
+                      for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")})
+        return table
 
 FAMILY = GptOss("GptOssForCausalLM", "gpt_oss", False, "config", 131072, 64, "layer_types", 1e-5, False, 150000.0,
                 bias_default=True, default_window=128, window_pattern=2, moe_kind="gpt_oss", rank=20,

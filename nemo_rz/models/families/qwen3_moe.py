@@ -122,8 +122,20 @@ class Qwen3Moe(Family):
         return unstack(tensors) if cfg.num_experts else tensors
 
 
-    def megatron_tensors(self):  # its layers are not built by the Megatron learner yet
-        return None
+    def megatron_tensors(self):
+        """The dense map (attention, norms, the dense layers' MLPs), the router and the stacked experts
+        (runtime/megatron/moe.py), and Megatron's stock SequentialMLP experts of the fast kernels: expert e's
+        linear_fc1 is gate_up_proj[e] ([gate; up] rows, Megatron's order too), its linear_fc2 down_proj[e]."""
+        table = super().megatron_tensors()
+        mlp, experts = "decoder.layers.{i}.mlp.", "model.layers.{i}.mlp.experts."
+        table.update({
+            mlp + "router.weight": ("same", ("model.layers.{i}.mlp.gate.weight",)),
+            mlp + "experts.gate_up_proj": ("same", (experts + "gate_up_proj",)),
+            mlp + "experts.down_proj": ("same", (experts + "down_proj",)),
+            mlp + "experts.local_experts.{e}.linear_fc1.weight": ("expert", (experts + "gate_up_proj",)),
+            mlp + "experts.local_experts.{e}.linear_fc2.weight": ("expert", (experts + "down_proj",)),
+        })
+        return table
 
 FAMILY = Qwen3Moe("Qwen3MoeForCausalLM", "qwen3_moe", True, "config", 32768, None, "all_if_used", moe_kind="qwen3",
                   expert_keys=("num_experts", "num_local_experts"),

@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_rz.models import layers as models_layers
 from nemo_rz.models.config import DecoderConfig
-from nemo_rz.runtime.megatron import layers
+from nemo_rz.runtime.megatron import layers, moe
 
 # DecoderConfig fields this model builds; any other field must keep its default (a family the Megatron
 # learner does not build yet is refused, not trained wrongly).
@@ -36,7 +36,10 @@ SUPPORTED = {"vocab_size", "hidden_size", "intermediate_size", "num_layers", "nu
              "rope_theta", "rms_norm_eps", "qk_norm", "attention_bias", "tie_word_embeddings",
              "max_position_embeddings", "sliding_window", "dtype", "layer_types", "attention_sinks", "o_proj_bias",
              "query_pre_attn_scalar", "rope_scaling", "rope_local_theta", "norm", "sandwich_norm", "hidden_act",
-             "embed_scale"}
+             "embed_scale",
+             # mixtures of experts (moe.py)
+             "moe_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_kind", "norm_topk_prob",
+             "swiglu_limit"}
 # What Megatron's stock modules (the fast spec) have no such feature for: {field: what is missing}.
 FAST_REFUSED = {
     "sliding_window": "Megatron's DotProductAttention has no sliding window",
@@ -49,6 +52,7 @@ FAST_REFUSED = {
 
 
 def check_supported(cfg: DecoderConfig, fast: bool) -> None:
+    moe.check(cfg, fast)
     plain = DecoderConfig(**{k: getattr(cfg, k) for k in SUPPORTED})  # the same model without other features
     for f in dataclasses.fields(cfg):
         if getattr(cfg, f.name) != getattr(plain, f.name):
@@ -82,7 +86,7 @@ def _transformer_config(cfg: DecoderConfig, tp: int) -> TransformerConfig:
         tensor_model_parallel_size=tp, params_dtype=cfg.torch_dtype, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=False, **moe.config_fields(cfg),
     )
 
 
@@ -94,6 +98,8 @@ def layer_spec(cfg: DecoderConfig, layer: int, fast: bool) -> ModuleSpec:
     if fast:
         attn_sub = dataclasses.replace(attn.submodules, core_attention=core)
         layer_sub = dataclasses.replace(local.submodules, self_attention=dataclasses.replace(attn, submodules=attn_sub))
+        if cfg.is_moe(layer):  # Megatron's stock MoE layer
+            layer_sub = dataclasses.replace(layer_sub, mlp=moe.spec(cfg, layer, fast=True))
         norm = layer_sub.input_layernorm
     else:
         norm = ModuleSpec(module=layers.Norm, params={"model_config": cfg})
@@ -116,8 +122,6 @@ def layer_spec(cfg: DecoderConfig, layer: int, fast: bool) -> ModuleSpec:
 def mlp_spec(cfg: DecoderConfig, layer: int):
     """Layer `layer`'s MLP in the consistent spec: dense, or a mixture of experts (moe.py) where the config has one."""
     if cfg.is_moe(layer):
-        from nemo_rz.runtime.megatron import moe
-
         return moe.spec(cfg, layer)
     return layers.MLP.of(cfg.hidden_act)
 

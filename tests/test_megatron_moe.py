@@ -1,0 +1,177 @@
+"""Mixtures of experts on the Megatron learner (runtime/megatron/moe.py): Qwen3-MoE and gpt-oss-MLP logprobs equal
+to the built-in Decoder's bit for bit at EP=1 and at EP=2 (2 ranks, dp=2, one launch), Megatron's stock MoE layer
+as the negative control, the routing record, weights in Hugging Face names both ways, deterministic gradients."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_moe_ranks import batch, learner, moe_model  # noqa: E402
+from megatron_ranks import rl_batch  # noqa: E402
+
+from nemo_rz import ops  # noqa: E402
+from nemo_rz.models.moe import recorded_routing  # noqa: E402
+from nemo_rz.runtime.megatron import convert, distributed, launch  # noqa: E402
+from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
+from nemo_rz.runtime.megatron.model import MegatronPolicy  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT_OSS_MLP = dict(moe_kind="gpt_oss", num_experts_per_tok=3, qk_norm=False, moe_layers=[1])  # layer 0 dense
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    distributed.init(Layout())
+    yield
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What 2 ranks at dp=2, ep=2 computed (tests/megatron_moe_ranks.py)."""
+    out = tmp_path_factory.mktemp("moe_ranks") / "out.pt"
+    code = launch.start([sys.executable, str(ROOT / "tests" / "megatron_moe_ranks.py"), str(out)], 2)
+    assert code == 0
+    return torch.load(out)
+
+
+def policy(model, mode: str) -> MegatronPolicy:
+    with ops.use_kernels(mode):
+        p = MegatronPolicy(model.config)
+    p.load_state_dict(model.state_dict())
+    return p
+
+
+def _same_weights(got: dict, model) -> bool:
+    want = model.state_dict()
+    return got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+@pytest.mark.parametrize("family", [{}, GPT_OSS_MLP], ids=["qwen3-moe", "gpt-oss-mlp"])
+def test_ep1_logprobs_and_routing_equal_the_builtin_decoder_bit_for_bit(family):
+    model = moe_model(0, **family)
+    ids, lengths = batch()
+    with recorded_routing(model) as want_routing:
+        want = model.token_logprobs(ids)
+    p = policy(model, "consistent")
+    with recorded_routing(p) as routing:
+        got = p.token_logprobs(ids)
+    assert torch.equal(got, want)
+    assert torch.equal(p.token_logprobs(ids, lengths), model.token_logprobs(ids, lengths))
+    assert len(routing) == len(want_routing) == (1 if family else 2)
+    for mine, theirs in zip(routing.values(), want_routing.values()):
+        assert torch.equal(mine[0], theirs[0])  # (row, position) order, route_topk's order
+    assert _same_weights(p.state_dict(), model)
+
+
+def test_fast_kernels_are_megatrons_stock_moe_layer_and_differ():
+    model = moe_model(0)
+    ids, lengths = batch()
+    want = model.token_logprobs(ids, lengths)
+    with ops.use_kernels("fast"):
+        fast = policy(model, "fast")
+        got = fast.token_logprobs(ids, lengths)
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        assert isinstance(fast.gpt.decoder.layers[0].mlp.experts, SequentialMLP)
+        assert _same_weights(fast.state_dict(), model)  # per-expert linear_fc1 / fc2 <-> the stacked experts
+    # negative control: Megatron weights the activations before the down projection and adds in scatter order
+    assert not torch.equal(got, want) and torch.allclose(got, want, atol=1e-4)
+    with pytest.raises(ValueError, match="moe_kind = 'gpt_oss'.*kernels=consistent"):
+        with ops.use_kernels("fast"):
+            MegatronPolicy(moe_model(0, **GPT_OSS_MLP).config)
+
+
+def test_the_combine_order_is_what_makes_the_bits(monkeypatch):
+    """negative control of the consistent layer itself: the k outputs added in slot (arrival) order, not expert order."""
+    from nemo_rz.runtime.megatron import moe
+
+    model = moe_model(0, **GPT_OSS_MLP)  # k=3: the order of the additions matters
+    ids, _ = batch()
+    want = model.token_logprobs(ids)
+    p = policy(model, "consistent")
+    monkeypatch.setattr(moe.ops, "moe_combine", lambda y, w, e: (y.view(*w.shape, -1) * w.unsqueeze(-1)).sum(1))
+    got = p.token_logprobs(ids)
+    assert not torch.equal(got, want) and torch.allclose(got, want, atol=1e-4)
+
+
+def test_expert_weights_convert_both_ways():
+    model = moe_model(1, moe_layers=[0])  # layer 1 dense: its gate/up rule, layer 0's experts
+    hf, cfg = model.state_dict(), model.config
+    meg = convert.to_megatron(hf, cfg)
+    gate_up = hf["model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(meg["decoder.layers.0.mlp.experts.gate_up_proj"], gate_up)
+    assert torch.equal(meg["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"], gate_up[2])
+    assert torch.equal(meg["decoder.layers.0.mlp.router.weight"], hf["model.layers.0.mlp.gate.weight"])
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in meg and "decoder.layers.1.mlp.router.weight" not in meg
+    stock = {k: v for k, v in meg.items() if "experts.gate_up_proj" not in k and "experts.down_proj" not in k}
+    back = convert.to_hf(stock, cfg)  # Megatron's per-expert tensors stacked back
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], v) for k, v in hf.items())
+    del stock["decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"]
+    with pytest.raises(ValueError, match="needs all 4 experts' tensors, got experts \\[0, 1, 2\\]"):
+        convert.to_hf(stock, cfg)
+
+
+def test_moe_refusals_are_one_line(monkeypatch):
+    from nemo_rz.runtime.megatron import moe
+
+    with pytest.raises(ValueError, match="megatron.ep = 2: .*raise megatron.dp"):
+        Layout(ep=2)  # ep splits experts over the dp x cp ranks: it adds no process
+    groups = type("Groups", (), {"ep": "ep", "tp": "tp"})()  # the sizes below stand for 2-rank groups
+    layer = moe.spec(moe_model(0).config, 0)
+    for sizes, what in (({"ep": 3, "tp": 1}, "megatron.ep = 3 does not divide model num_experts = 4"),
+                        ({"ep": 1, "tp": 2}, "megatron.tp = 2 with a mixture of experts.*use megatron.tp=1")):
+        monkeypatch.setattr(moe.dist, "get_world_size", sizes.get)
+        with pytest.raises(ValueError, match=what):
+            layer(config=None, pg_collection=groups)
+
+
+def _update(model) -> list[torch.Tensor]:
+    lrn = learner(model, Layout())
+    lrn.rl_step(*rl_batch())
+    return [p.grad.clone() for p in lrn.model.parameters()]
+
+
+def test_ep1_gradients_are_deterministic_run_to_run():
+    with ops.use_kernels("consistent"):
+        a, b = _update(moe_model(0)), _update(moe_model(0))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert any(g.dim() == 3 and g.abs().sum() > 0 for g in a)  # the experts learn
+    # negative control: another start gives other gradients (the comparison can fail)
+    c = _update(moe_model(1))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gpt_oss"])
+def test_ep2_logprobs_equal_ep1_and_the_decoder_bit_for_bit(ranks, kind):
+    model = moe_model(0, **({} if kind == "qwen3" else GPT_OSS_MLP))
+    ids, lengths = batch()
+    want = model.token_logprobs(ids, lengths)
+    assert torch.equal(ranks[f"{kind}_ep2"], want)
+    assert torch.equal(policy(model, "consistent").token_logprobs(ids, lengths), want)  # EP=1
+    assert _same_weights(ranks[f"{kind}_ep2_weights"], model)
+    assert ranks[f"{kind}_local_experts"] == ([2, 2] if kind == "qwen3" else [None, 2])  # 4 experts over 2 ranks
+    # the routing record: both ranks' rows (gathered over dp), as the Decoder routes them
+    with recorded_routing(model) as routing:
+        model.token_logprobs(ids)
+    for mine, theirs in zip(ranks[f"{kind}_ep2_routing"].values(), routing.values(), strict=True):
+        assert len(mine) == 1 and torch.equal(mine[0], theirs[0])
+
+
+def test_ep2_updates_are_deterministic_and_match_ep1_closely(ranks):
+    a, b = ranks["updates_a"], ranks["updates_b"]
+    assert a["routing_diff"] == [0, 1]  # decompose at dp=2: the rollout's routing, then one token's flipped (control)
+    assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"]))
+    assert a["weights"].keys() == b["weights"].keys() and all(torch.equal(a["weights"][k], v) for k, v in b["weights"].items())
+    # the same two updates at EP=1 over the same 2 shares: the expert products sum other row groups, so close only
+    lrn = learner(moe_model(0), Layout(grad_shares=2))
+    for _ in range(2):
+        lrn.rl_step(*rl_batch())
+    ep1 = [p.grad for p in lrn.model.parameters()]
+    assert all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(a["grads"], ep1))
