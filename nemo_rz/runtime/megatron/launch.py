@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -37,6 +38,7 @@ PEER_DIED = signal.SIGUSR1  # the launcher to rank 0: another rank died, stop (q
 RANK0_STOP_S = 60.0  # rank 0's time to stop its rollout workers after a stop signal, before it is killed
 _RANK_ENV = "RANK"
 _PR_SET_PDEATHSIG = 1
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 
 
 def world_size(cfg) -> int:
@@ -216,7 +218,10 @@ def _last_line(log) -> str:
     if log is None:
         return ""
     lines = [line for line in Path(log.name).read_text(errors="replace").splitlines() if line.strip()]
-    return f" ({lines[-1].strip()})" if lines else ""
+    if not lines:
+        return ""
+    # torch prefixes a rank's traceback lines with "[rankN]: "; the launcher's line names the rank already
+    return f" ({_RANK_PREFIX.sub('', lines[-1].strip())})"
 
 
 def _stop(procs, grace_s: float, sig=signal.SIGTERM) -> None:
