@@ -142,6 +142,8 @@ def test_precision_settings_the_megatron_learner_cannot_run_are_refused_in_one_l
         megatron_precision.apply_precision(p, Precision("fp8_current", activation_scaling="tensor"))
     with pytest.raises(ValueError, match="^precision.modules=experts: the model has no such layers"):
         megatron_precision.apply_precision(p, Precision("mxfp8", "experts"))
+    with pytest.raises(ValueError, match="^precision.recipe=mxfp8: the Megatron learner's fast kernels .*; use kernels=consistent"):
+        megatron_precision.apply_precision(policy(tiny_model(0, vocab_size=VOCAB), "fast"), "mxfp8")
     odd = tiny_model(0, vocab_size=VOCAB, intermediate_size=80)
     with pytest.raises(ValueError, match=r"^precision.recipe=mxfp8: model.layers.0.mlp.down_proj has 80 inputs"):
         megatron_precision.apply_precision(policy(odd, "consistent"), "mxfp8")

@@ -17,10 +17,10 @@ rank's rows of those values (row-local activation quantization of the whole inpu
 accumulation, straight-through gradients to the master weight), which gives each output the bits one process
 would (ops.linear's products split by output rows: layers.check_split_outputs, checked here in float32).
 
-Refused, in one line each: activation_scaling=tensor (its amax spans the batch: Megatron's dense batch has
-padding rows that the Decoder's packed batch does not), mixtures of experts' expert weights (the MoE layer's
-own), and consistent kernels on CUDA (the Decoder runs its Triton kernel over the codes there, which this
-product does not call).
+Refused, in one line each: the fast kernels (Megatron's own linears), activation_scaling=tensor (its amax
+spans the batch: Megatron's dense batch has padding rows that the Decoder's packed batch does not), mixtures of
+experts' expert weights (the MoE layer's own), and consistent kernels on CUDA (the Decoder runs its Triton
+kernel over the codes there, which this product does not call).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from nemo_rz.parallel.tensor import gather_parts
 from nemo_rz.quant.apply import BLOCK_COLS, selected
 from nemo_rz.quant.linear import Precision, QuantizedLinear, dequantized
 from nemo_rz.runtime.megatron import convert, layers
+
 
 class _ShardQuantized(QuantizedLinear):
     """quant.linear's QuantizedLinear whose quantized weight is this rank's rows of the whole weight's
@@ -87,6 +88,9 @@ def apply_precision(policy, precision: Precision | dict | str | None):
     if not precision.enabled:
         return policy
     cfg = policy.config
+    if policy.fast:
+        raise ValueError(f"precision.recipe={precision.recipe}: the Megatron learner's fast kernels are Megatron's own "
+                         "linears, which run no recipe; use kernels=consistent or runtime.learner=builtin")
     if precision.activation_scaling != "row":
         raise ValueError(f"precision.activation_scaling={precision.activation_scaling}: the Megatron learner quantizes "
                          "activations row by row only (a per-tensor amax would span its batch's padding rows); use row")
