@@ -11,9 +11,10 @@ CONFIG_MAPPING and its Llama / Qwen3 bridges' settings, and a GPTModel built wit
 GPTModelProvider.provide passes.
 """
 import dataclasses
+import importlib.util
 import json
+import sys
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -22,17 +23,32 @@ import torch.nn.functional as F
 pytest.importorskip("megatron.core")
 
 from conftest import tiny_model  # noqa: E402
-from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from nemo_rz import ops  # noqa: E402
 from nemo_rz.models.decoder import Tokens, prepared  # noqa: E402
+from nemo_rz.models.hf import save_hf  # noqa: E402
 from nemo_rz.models.hf_config import config_from_hf  # noqa: E402
-from nemo_rz.runtime.megatron import bridge, convert, distributed, layers, spec  # noqa: E402
+from nemo_rz.runtime.megatron import bridge, distributed, layers, spec  # noqa: E402
 from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
 
-SMOLLM2 = Path(__file__).resolve().parents[1] / "models" / "smollm2-135m-instruct" / "config.json"
+ROOT = Path(__file__).resolve().parents[1]
+KIT = ROOT / "examples" / "nemo_rl"
+SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct" / "config.json"
+
+
+def _script(path: Path):
+    spec_ = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec_)
+    sys.modules[path.stem] = module  # the script's dataclass looks its module up
+    spec_.loader.exec_module(module)
+    return module
+
+
+# the provider's shape, GPTModelProvider.provide's GPTModel and NeMo RL's two forward layouts
+check = _script(KIT / "check_megatron.py")
+driver = _script(KIT / "run_grpo_reinforce_zero.py")
+provider_from_hf, build, dense, packed = check.provider_from_hf, check.build, check.dense, check.packed
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,46 +61,8 @@ def world_of_one():
     torch.distributed.destroy_process_group()
 
 
-@dataclasses.dataclass
-class Provider(TransformerConfig):
-    """GPTModelProvider's own fields (megatron/bridge/models/gpt_provider.py, 0.3.1) with its defaults."""
-
-    vocab_size: Optional[int] = None
-    rotary_base: int = 10000
-    rotary_percent: float = 1.0
-    rope_scaling: bool = False
-    seq_length: int = 1024
-    share_embeddings_and_output_weights: bool = True
-    position_embedding_type: str = "learned_absolute"
-    parallel_output: bool = True
-
-
-# megatron/bridge/models/conversion/model_bridge.py, MegatronModelBridge.CONFIG_MAPPING (dense entries)
-CONFIG_MAPPING = [("num_hidden_layers", "num_layers"), ("hidden_size", "hidden_size"),
-                  ("intermediate_size", "ffn_hidden_size"), ("num_attention_heads", "num_attention_heads"),
-                  ("num_key_value_heads", "num_query_groups"), ("head_dim", "kv_channels"),
-                  ("vocab_size", "vocab_size"), ("max_position_embeddings", "seq_length"),
-                  ("rms_norm_eps", "layernorm_epsilon"), ("tie_word_embeddings", "share_embeddings_and_output_weights"),
-                  ("attention_bias", "add_qkv_bias"), ("mlp_bias", "add_bias_linear"), ("rope_theta", "rotary_base")]
-
-
-def provider_from_hf(hf: dict, **overrides) -> Provider:
-    """What AutoBridge.to_megatron_provider gives for a Llama / Qwen3 checkpoint (llama_bridge.py, qwen3_bridge.py:
-    RMSNorm, gated silu MLP, no linear biases, qk-layernorm for Qwen3), with the override that selects the
-    consistent spec (position_embedding_type none) and this machine's settings (CPU init, no rope fusion)."""
-    kw = {meg: hf[name] for name, meg in CONFIG_MAPPING if hf.get(name) is not None}
-    kw.setdefault("kv_channels", hf["hidden_size"] // hf["num_attention_heads"])
-    kw.setdefault("add_bias_linear", False)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[hf.get("dtype") or hf.get("torch_dtype") or "float32"]
-    kw.update(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0,
-              attention_dropout=0.0, qk_layernorm=hf.get("model_type") == "qwen3", bias_activation_fusion=True,
-              masked_softmax_fusion=True, persist_layer_norm=True, bias_dropout_fusion=True, apply_rope_fusion=False,
-              position_embedding_type="none", params_dtype=dtype, use_cpu_initialization=True)
-    kw.update(overrides)
-    return Provider(**kw)
-
-
 def hf_config(model) -> dict:
+    """The Hugging Face config of a tiny Decoder (Llama without qk-norm, Qwen3 with it)."""
     cfg = model.config
     return {"model_type": "qwen3" if cfg.qk_norm else "llama", "num_hidden_layers": cfg.num_layers,
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -94,63 +72,10 @@ def hf_config(model) -> dict:
             "attention_bias": cfg.attention_bias, "mlp_bias": False, "rope_theta": cfg.rope_theta, "dtype": cfg.dtype}
 
 
-def provided(config: Provider, layer_spec, model) -> GPTModel:
-    """GPTModelProvider.provide's GPTModel (its arguments, one pipeline stage) with `model`'s weights."""
-    gpt = GPTModel(config, transformer_layer_spec=layer_spec, vocab_size=config.vocab_size,
-                   max_sequence_length=config.seq_length, parallel_output=config.parallel_output,
-                   share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
-                   position_embedding_type=config.position_embedding_type, rotary_base=config.rotary_base,
-                   rotary_percent=config.rotary_percent, pre_process=True, post_process=True)
-    return load(gpt, model)
-
-
-def load(gpt, model):
-    weights = convert.to_megatron(model.state_dict(), model.config)
-    params = dict(gpt.named_parameters())
-    assert set(params) == set(weights)
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(weights[name])
-    return gpt.eval()
-
-
 def batch(vocab: int):
     g = torch.Generator().manual_seed(5)
     lengths = torch.tensor([13, 6, 11])
     return torch.randint(0, vocab, (3, 13), generator=g), lengths
-
-
-def logprobs(logits, ids):
-    """nemo-rz's logprob of each next token from [b, s, vocab] logits (the rollout side's ops.token_logprobs)."""
-    b, s, v = logits.shape
-    return ops.token_logprobs(logits[:, :-1].reshape(-1, v), ids[:, 1:].reshape(-1), 1.0).view(b, s - 1)
-
-
-def dense(gpt, ids):
-    """NeMo RL's forward without sequence packing: [b, s] ids, positions, its causal mask, no packed_seq_params."""
-    b, s = ids.shape
-    mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
-    return logprobs(gpt(ids, torch.arange(s).expand(b, s), mask), ids)
-
-
-def packed(gpt, ids, lengths, multiple: int = 8, params: bool = True):
-    """NeMo RL's sequence packing (nemo_rl/models/megatron/data.py): each sequence padded to a multiple, all in
-    one [1, T] row, PackedSeqParams(qkv_format="thd", cu_seqlens_*=padded boundaries); per-sequence logprobs."""
-    padded = [-(-int(n) // multiple) * multiple for n in lengths]
-    row = torch.cat([F.pad(ids[i, :n], (0, p - int(n))) for i, (n, p) in enumerate(zip(lengths, padded))])[None]
-    cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
-    if params:
-        p = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                            cu_seqlens_kv_padded=cu, max_seqlen_q=max(padded), max_seqlen_kv=max(padded))
-        logits = gpt(row, None, None, packed_seq_params=p)
-    else:  # the whole row as one sequence (what a forward that ignores the boundaries computes)
-        t = row.shape[1]
-        logits = gpt(row, torch.arange(t)[None], torch.ones(t, t, dtype=torch.bool).triu(1)[None, None])
-    out = torch.zeros(ids.shape[0], ids.shape[1] - 1)
-    for i, n in enumerate(lengths.tolist()):
-        start = int(cu[i])
-        out[i, : n - 1] = logprobs(logits[:, start:start + n], row[:, start:start + n])[0]
-    return out
 
 
 def valid(lengths, width):
@@ -175,11 +100,13 @@ def test_gptmodel_from_the_spec_callable_equals_the_decoder_bit_for_bit(qk_norm)
     model = tiny_model(3, vocab_size=61, qk_norm=qk_norm, num_layers=3, tie_word_embeddings=not qk_norm)
     config = provider_from_hf(hf_config(model))
     assert bridge.decoder_config(config) == model.config
+    layer_spec = bridge.consistent_layer_spec(config)
+    assert config.position_embedding_type == "none"  # RoPE moved into the core attention: the GPTModel adds none
     ids, lengths = batch(61)
     ok = valid(lengths, ids.shape[1] - 1)
     with torch.no_grad():
         want = model.token_logprobs(ids, lengths)
-        gpt = provided(config, bridge.consistent_layer_spec(config), model)
+        gpt = build(config, layer_spec, model)
         bridge.consistent_output_layer([gpt])
         assert isinstance(gpt.output_layer, layers.ColumnLinear)
         assert torch.equal(dense(gpt, ids)[ok], want[ok])
@@ -190,13 +117,13 @@ def test_gptmodel_from_the_spec_callable_equals_the_decoder_bit_for_bit(qk_norm)
         assert torch.equal(merged[0, :12], want[0, :12])  # the first sequence alone is unaffected
 
         # Megatron's local layers (their torch norm refuses the Llama provider's persist_layer_norm without Apex)
-        local = dataclasses.replace(config, persist_layer_norm=False)
-        stock = provided(local, spec.block_spec(model.config, fast=True), model)
+        local = dataclasses.replace(config, persist_layer_norm=False)  # (and RoPE through TokenParams, below)
+        stock = build(local, spec.block_spec(model.config, fast=True), model)
         t = Tokens(torch.zeros(0, dtype=torch.long), torch.arange(13).repeat(3), torch.arange(3).repeat_interleave(13),
                    None, (3, 13))
         params = layers.TokenParams(tokens=prepared(model.config, t))  # the forward's tokens, for its RoPE
         mask = torch.ones(13, 13, dtype=torch.bool).triu(1)[None, None]
-        lp = logprobs(stock(ids, torch.arange(13).expand(3, 13), mask, packed_seq_params=params), ids)
+        lp = check.nemo_rz_logprobs(stock(ids, torch.arange(13).expand(3, 13), mask, packed_seq_params=params), ids)
         assert not torch.equal(lp[ok], want[ok])
         assert (lp[ok] - want[ok]).abs().max() < 1e-3  # the same model, other arithmetic
 
@@ -205,7 +132,7 @@ def test_the_spec_refuses_what_it_does_not_build_in_one_line():
     model = tiny_model(0, vocab_size=61)
     hf = hf_config(model)
     for overrides, words in [
-        ({"position_embedding_type": "rope"}, "model_overrides.position_embedding_type: none"),
+        ({"position_embedding_type": "yarn"}, "position_embedding_type = 'yarn'"),
         ({"sequence_parallel": True, "tensor_model_parallel_size": 2}, "sequence_parallel"),
         ({"add_bias_linear": True}, "add_bias_linear"),
         ({"activation_func": F.gelu}, "activation_func"),
@@ -259,10 +186,114 @@ def test_megatron_bridge_gpt_provider_builds_the_consistent_model():
     provider = GPTModelProvider(**{k: v for k, v in shape.items() if k in fields},
                                 transformer_layer_spec=bridge.consistent_layer_spec)
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    gpt = load(provider.provide(pre_process=True, post_process=True), model)
+    gpt = check.load(provider.provide(pre_process=True, post_process=True), model)
     bridge.consistent_output_layer([gpt])
     ids, lengths = batch(61)
     ok = valid(lengths, ids.shape[1] - 1)
     with torch.no_grad():
         want = model.token_logprobs(ids, lengths)
         assert torch.equal(packed(gpt, ids, lengths)[ok], want[ok])
+
+
+def test_check_script_counts_the_mismatch_of_each_stage(tmp_path):
+    """examples/nemo_rl/check_megatron.py on a saved tiny Qwen3 checkpoint in bfloat16: with the output hook nothing
+    differs; Megatron's own output layer (a bfloat16 GEMM) and NeMo RL's log-softmax on its logits are what the
+    counter sees differ (its negative controls)."""
+    model = tiny_model(4, vocab_size=4096, hidden_size=128, num_layers=2)  # a vocabulary where bf16 GEMMs differ
+    path = save_hf(model, tmp_path / "qwen3")
+    provider, _ = check.provider_for(path, "bfloat16")
+    got = check.check(path, "bfloat16", provider, rows=8, length=48)
+    assert got["consistent spec + output hook, dense"][0] == 0 and got["consistent spec + output hook, packed"][0] == 0
+    for what in ("consistent spec, stock output layer, packed", "... + NeMo RL's log-softmax, packed"):
+        diff, n, worst = got[what]
+        assert 0 < diff <= n and 0 < worst < 0.1, (what, got[what])
+
+
+# ------------------------------------------------------------------ the kit: megatron_consistent.yaml and the driver
+# nemo_rl/models/policy/__init__.py (PolicyConfig, MegatronConfig) and nemo_rl/utils/checkpoint.py
+# (PretrainedCheckpointConfig), main of 2026-08-22: the keys megatron_consistent.yaml sets.
+NEMO_RL_MAIN_KEYS = {
+    "policy": {"dtensor_cfg", "megatron_cfg", "pretrained_checkpoint"},
+    "policy.dtensor_cfg": {"enabled"},
+    "policy.pretrained_checkpoint": {"format", "path"},
+    "policy.megatron_cfg": {"enabled", "model_overrides", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                            "context_parallel_size", "sequence_parallel", "use_fused_linear_logprobs"},
+}
+
+
+def _keys(cfg: dict, path: str = "") -> set[str]:
+    out = set()
+    for key, value in cfg.items():
+        full = f"{path}.{key}" if path else key
+        out.add(full)
+        if isinstance(value, dict) and full != "policy.megatron_cfg.model_overrides":  # provider fields, not NeMo RL's
+            out |= _keys(value, full)
+    return out
+
+
+def test_megatron_override_sets_keys_nemo_rl_reads_on_top_of_the_reinforce_zero_override():
+    import yaml
+
+    cfg = yaml.safe_load((KIT / "megatron_consistent.yaml").read_text())
+    assert cfg.pop("defaults") == "reinforce_zero.yaml"
+    known = {f"{section}.{k}" for section, keys in NEMO_RL_MAIN_KEYS.items() for k in keys} | {"policy"}
+    assert _keys(cfg) <= known
+    assert bridge.resolve_layer_spec(cfg["policy"]["megatron_cfg"]["model_overrides"]["transformer_layer_spec"]) \
+        is bridge.consistent_layer_spec
+    cfg["policy"]["megatron_cfg"]["sequence_paralel"] = False  # negative control: a misspelled key is found
+    assert _keys(cfg) - known == {"policy.megatron_cfg.sequence_paralel"}
+
+
+def megatron_policy(**meg) -> dict:
+    cfg = {"enabled": True, "model_overrides": {"transformer_layer_spec": bridge.SPEC_PATH},
+           "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+           "sequence_parallel": False}
+    cfg.update(meg)
+    return {"policy": {"megatron_cfg": cfg, "pretrained_checkpoint": {"format": "megatron_bridge", "path": "/ckpt"}}}
+
+
+@pytest.fixture
+def nemo_rl_main(tmp_path, monkeypatch):
+    """A stand-in NeMo RL whose nemo_rl/models/megatron/setup.py reads model_overrides (main from 2026-08-11)."""
+    def install(reads: bool):
+        root = tmp_path / ("main" if reads else "v0.7")
+        pkg = root / "nemo_rl" / "models" / "megatron"
+        pkg.mkdir(parents=True)
+        for d in (root / "nemo_rl", root / "nemo_rl" / "models", pkg):
+            (d / "__init__.py").write_text("")
+        (pkg / "setup.py").write_text("model_overrides = config['megatron_cfg'].get('model_overrides')\n" if reads
+                                      else "# v0.7.0: no provider overrides\n")
+        for name in [m for m in sys.modules if m == "nemo_rl" or m.startswith("nemo_rl.")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.syspath_prepend(str(root))
+    return install
+
+
+def test_driver_turns_the_spec_string_into_the_function(nemo_rl_main):
+    nemo_rl_main(True)
+    cfg = megatron_policy()
+    driver.check_megatron(cfg)
+    assert cfg["policy"]["megatron_cfg"]["model_overrides"]["transformer_layer_spec"] is bridge.consistent_layer_spec
+    plain = {"policy": {"megatron_cfg": {"enabled": True}}}
+    driver.check_megatron(plain)  # no layer spec named: nothing to do
+    assert plain == {"policy": {"megatron_cfg": {"enabled": True}}}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"enabled": False}, "policy.megatron_cfg.enabled is false"),
+    ({"tensor_model_parallel_size": 2}, "policy.megatron_cfg.tensor_model_parallel_size = 2"),
+    ({"context_parallel_size": 2}, "policy.megatron_cfg.context_parallel_size = 2"),
+    ({"sequence_parallel": True}, "policy.megatron_cfg.sequence_parallel = True"),
+    ({"use_fused_linear_logprobs": True}, "use_fused_linear_logprobs = True"),
+    ({"model_overrides": {"transformer_layer_spec": "nemo_rz.runtime.megatron.bridge:nope"}}, "cannot import"),
+    ({"pretrained_checkpoint": None}, "policy.pretrained_checkpoint.format = None"),
+    ({"reads": False}, "does not read policy.megatron_cfg.model_overrides"),
+])
+def test_driver_refuses_what_the_consistent_spec_cannot_run(nemo_rl_main, change, words):
+    nemo_rl_main(change.pop("reads", True))
+    cfg = megatron_policy(**{k: v for k, v in change.items() if k != "pretrained_checkpoint"})
+    if "pretrained_checkpoint" in change:
+        del cfg["policy"]["pretrained_checkpoint"]
+    with pytest.raises(driver.KitError) as e:
+        driver.check_megatron(cfg)
+    assert words in str(e.value) and "\n" not in str(e.value)

@@ -13,6 +13,11 @@ the one place that held the `ClippedPGLossFn`. It then runs NeMo RL's own entry 
 which imports `setup` when it runs and so gets the wrapper; data, cluster, generation, refit and the sync or
 async training loop all stay NeMo RL's. Read against NeMo RL v0.6.0, v0.7.0 and main of 2026-08-22.
 
+With `policy.megatron_cfg.model_overrides.transformer_layer_spec` set (megatron_consistent.yaml), the wrapper also
+turns that "module:function" string into the function before NeMo RL's setup (NeMo RL hands YAML values to the
+Megatron-Bridge provider verbatim, and the provider calls the field), after refusing the Megatron settings that
+nemo-rz's consistent spec cannot run (nemo_rz/runtime/megatron/bridge.py).
+
 The config is NeMo RL's `--config` (default: its examples/configs/grpo_math_1B.yaml) with `--rz-config`
 (default: reinforce_zero.yaml beside this script) merged on top by NeMo RL's `defaults:` inheritance, then the
 command line's overrides, exactly as NeMo RL applies them.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import json
 import runpy
 import sys
@@ -161,6 +167,66 @@ def checkpoint_family(model_name, given):
     return given
 
 
+SPEC_KEY = "policy.megatron_cfg.model_overrides.transformer_layer_spec"
+
+
+def reads_model_overrides() -> bool:
+    """Whether the NeMo RL here merges policy.megatron_cfg.model_overrides into the Megatron-Bridge provider
+    (nemo_rl/models/megatron/setup.py, main from 2026-08-11; v0.6 and v0.7 ignore the key)."""
+    try:
+        found = importlib.util.find_spec("nemo_rl.models.megatron.setup")
+    except (ImportError, ValueError):
+        return False
+    return bool(found and found.origin) and "model_overrides" in Path(found.origin).read_text(errors="replace")
+
+
+def check_megatron(master_config) -> None:
+    """With a layer spec named in policy.megatron_cfg.model_overrides: the string replaced by the function, and, for
+    nemo-rz's consistent spec, the Megatron settings it cannot run refused before any worker starts."""
+    policy = _get(master_config, "policy", {})
+    meg = policy.get("megatron_cfg") or {}
+    overrides = meg.get("model_overrides") or {}
+    value = overrides.get("transformer_layer_spec")
+    if value is None:
+        return
+    if not meg.get("enabled", False):
+        raise KitError(f"{SPEC_KEY} is set but policy.megatron_cfg.enabled is false: run NeMo RL's Megatron policy "
+                       "(e.g. --config examples/configs/grpo_math_1B_megatron.yaml) or drop the key")
+    if not reads_model_overrides():
+        raise KitError(f"{SPEC_KEY}: this NeMo RL does not read policy.megatron_cfg.model_overrides (NeMo RL main "
+                       "from 2026-08-11 does; v0.6 and v0.7 would build the stock spec): use such a NeMo RL")
+    try:
+        from nemo_rz.runtime.megatron import bridge
+    except ImportError as e:
+        raise KitError(f"{SPEC_KEY}: nemo-rz's Megatron layer spec needs megatron-core where the driver runs ({e}); "
+                       "run the driver with NeMo RL's Megatron extra: uv run --extra mcore python ...") from None
+    try:
+        fn = bridge.resolve_layer_spec(value)
+    except ValueError as e:
+        raise KitError(str(e)) from None
+    if fn is bridge.consistent_layer_spec:
+        m = "policy.megatron_cfg"
+        ckpt = policy.get("pretrained_checkpoint") or {}
+        _refuse([
+            ("policy.pretrained_checkpoint.format", ckpt.get("format"), lambda v: v == "megatron_bridge",
+             "the checkpoint NeMo RL converts from Hugging Face is built with the stock Transformer Engine spec, whose "
+             "norm parameters (linear_qkv.layer_norm_weight) the consistent spec does not have: convert it with the "
+             "consistent spec (examples/nemo_rl/README.md) and set megatron_bridge"),
+            ("policy.pretrained_checkpoint.path", ckpt.get("path"), lambda v: isinstance(v, str) and bool(v),
+             "set the checkpoint converted with the consistent spec"),
+            *((f"{m}.{key}", meg.get(key, 1), lambda v: v == 1, why) for key, why in (
+                ("tensor_model_parallel_size", "the consistent linears have no Megatron sharded checkpoint layout "
+                 "yet: set 1"),
+                ("pipeline_model_parallel_size", "the consistent spec lists every layer (one stage): set 1"),
+                ("context_parallel_size", "the consistent core attention sees its rank's tokens only: set 1"))),
+            (f"{m}.sequence_parallel", meg.get("sequence_parallel", False), lambda v: v is False,
+             "the consistent linears do not scatter the sequence: set false"),
+            (f"{m}.use_fused_linear_logprobs", meg.get("use_fused_linear_logprobs", False), lambda v: v is False,
+             "NeMo RL's fused linear cross-entropy bypasses the model's output layer: set false"),
+        ])
+    overrides["transformer_layer_spec"] = fn
+
+
 def swap_loss(returned, clipped_cls, loss_fn):
     """`returned` (setup's tuple) with `loss_fn` in the one place that holds a `clipped_cls` instance."""
     where = [i for i, x in enumerate(returned)
@@ -182,6 +248,7 @@ def reinforce_zero_setup(grpo):
     def setup(master_config, *args, **kwargs):
         loss_fn = loss_from_config(master_config)
         check_generation(master_config)
+        check_megatron(master_config)
         return swap_loss(original(master_config, *args, **kwargs), clipped, loss_fn)
 
     grpo.setup = setup

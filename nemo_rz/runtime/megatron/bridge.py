@@ -22,16 +22,22 @@ The tokens are built once per forward and shared by the layers (kept on the Pack
 shape).
 
 RoPE is applied inside the core attention through ops.rope (Megatron's rotary embedding moves its table to CUDA
-and is not nemo-rz's arithmetic), so the provider must not add its own: `position_embedding_type: none` (with
-`rotary_base` still read for ops.rope). The spec covers the decoder block; the output layer is built by the
-GPTModel itself (Megatron's ColumnParallelLinear): `consistent_output_layer` is a Megatron-Bridge pre-wrap hook
-(`provide_distributed_model(pre_wrap_hook=...)`, `register_pre_wrap_hook`) that puts layers.ColumnLinear
-(ops.linear) in its place, keeping its parameter name `output_layer.weight`.
+and is not nemo-rz's arithmetic), so the GPTModel must not add its own: the spec callable sets the provider's
+`position_embedding_type` from "rope" (what the Llama / Qwen bridges set) to "none" (GPTModelProvider.provide
+reads that field after calling the spec; `rotary_base` still gives ops.rope its theta). The spec covers the
+decoder block; the output layer is built by the GPTModel itself (Megatron's ColumnParallelLinear):
+`consistent_output_layer` is a Megatron-Bridge pre-wrap hook (`provide_distributed_model(pre_wrap_hook=...)`,
+`register_pre_wrap_hook`) that puts layers.ColumnLinear (ops.linear) in its place, keeping its parameter name
+`output_layer.weight`.
+
+The parameter names are Megatron's local-spec names (`input_layernorm.weight`, `pre_mlp_layernorm.weight`, which
+Megatron-Bridge's Llama / Qwen mappings list beside the Transformer Engine ones), so a Megatron checkpoint to load
+must be converted with this spec (examples/nemo_rl/README.md), not with the stock Transformer Engine spec, whose
+norms are `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`.
 
 Selecting it in NeMo RL (main after 2026-08-11, `policy.megatron_cfg.model_overrides`, merged into the
 provider before it is built; examples/nemo_rl/README.md):
     policy.megatron_cfg.model_overrides.transformer_layer_spec: nemo_rz.runtime.megatron.bridge:consistent_layer_spec
-    policy.megatron_cfg.model_overrides.position_embedding_type: none
 NeMo RL takes YAML values verbatim, so the kit's driver (examples/nemo_rl/run_grpo_reinforce_zero.py) turns the
 "module:function" string into the function (`resolve_layer_spec`) before NeMo RL's setup; Ray pickles it by
 reference to the Megatron policy workers, where nemo-rz is installed.
@@ -70,9 +76,9 @@ def _refuse(what: str, why: str, fix: str) -> None:
 def _check_provider(config) -> None:
     """The provider settings the consistent spec does not build or that would change its arithmetic."""
     pe = _field(config, "position_embedding_type")
-    if pe != "none":
-        _refuse(f"position_embedding_type = {pe!r}", "the consistent core attention applies RoPE itself (ops.rope) "
-                "and Megatron's would rotate q and k a second time", f"set {_WHERE}.position_embedding_type: none")
+    if pe not in ("rope", "none"):
+        _refuse(f"position_embedding_type = {pe!r}", "the consistent core attention applies plain RoPE (ops.rope)",
+                "use a RoPE model (rope) or NeMo RL's stock layer spec")
     refused = [
         ("normalization", config.normalization != "RMSNorm", "the consistent spec builds RMSNorm decoders"),
         ("gated_linear_unit", not config.gated_linear_unit, "the consistent MLP is gated (SwiGLU)"),
@@ -192,11 +198,14 @@ def _with_packed_attention(layer: ModuleSpec, cfg: DecoderConfig, shared: dict) 
 
 def consistent_layer_spec(config, vp_stage: int | None = None) -> ModuleSpec:
     """Megatron-Bridge's `transformer_layer_spec` callable: nemo-rz's consistent block spec for the provider
-    `config` (vp_stage: Megatron-Bridge passes it; the spec is one pipeline stage, so only None or 0)."""
+    `config` (vp_stage: Megatron-Bridge passes it; the spec is one pipeline stage, so only None or 0). Sets the
+    provider's position_embedding_type "rope" to "none": the spec's core attention applies RoPE."""
     if vp_stage not in (None, 0):
         _refuse(f"vp_stage = {vp_stage}", "the spec lists every layer of the model (one pipeline stage)",
                 "set virtual_pipeline_model_parallel_size to None")
     cfg = decoder_config(config)
+    if config.position_embedding_type == "rope":  # RoPE moves into the core attention (ops.rope)
+        config.position_embedding_type = "none"
     block = spec.block_spec(cfg, fast=False)
     shared: dict = collections.OrderedDict()
     subs = dataclasses.replace(block.submodules, layer_specs=[_with_packed_attention(s, cfg, shared)
