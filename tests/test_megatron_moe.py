@@ -20,6 +20,25 @@ from nemo_rz.runtime.megatron.model import MegatronPolicy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT_OSS_MLP = dict(moe_kind="gpt_oss", num_experts_per_tok=3, qk_norm=False, moe_layers=[1])  # layer 0 dense
+# the whole gpt-oss shape: its attention too (sinks, YaRN, o_proj and q/k/v biases, float32 RMSNorm, a window layer)
+GPT_OSS = dict(moe_kind="gpt_oss", num_experts_per_tok=2, qk_norm=False, attention_sinks=True, norm="rms_f32",
+               o_proj_bias=True, attention_bias=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+               rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64), head_dim=16)
+
+
+def moe_tiny():
+    """conf/moe_tiny.yaml's model, as the train CLI builds it (fresh weights, the task's vocabulary)."""
+    from nemo_rz import config, schema
+    from nemo_rz.runtime.build import build_model, build_task
+
+    cfg = schema.typed(config.load("moe_tiny"))
+    torch.manual_seed(0)
+    model = build_model(cfg.model, build_task(cfg.task, cfg.model).tokenizer)
+    with torch.no_grad():  # weights that route unevenly and sinks that matter
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or "sinks" in name:
+                p.normal_(0, 0.3)
+    return model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,10 +72,11 @@ def _same_weights(got: dict, model) -> bool:
     return got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
 
 
-@pytest.mark.parametrize("family", [{}, GPT_OSS_MLP], ids=["qwen3-moe", "gpt-oss-mlp"])
+@pytest.mark.parametrize("family", [{}, GPT_OSS_MLP, GPT_OSS, "moe_tiny"], ids=["qwen3-moe", "gpt-oss-mlp", "gpt-oss", "moe_tiny"])
 def test_ep1_logprobs_and_routing_equal_the_builtin_decoder_bit_for_bit(family):
-    model = moe_model(0, **family)
+    model = moe_tiny() if family == "moe_tiny" else moe_model(0, **family)
     ids, lengths = batch()
+    ids = ids % model.config.vocab_size
     with recorded_routing(model) as want_routing:
         want = model.token_logprobs(ids)
     p = policy(model, "consistent")
@@ -64,7 +84,7 @@ def test_ep1_logprobs_and_routing_equal_the_builtin_decoder_bit_for_bit(family):
         got = p.token_logprobs(ids)
     assert torch.equal(got, want)
     assert torch.equal(p.token_logprobs(ids, lengths), model.token_logprobs(ids, lengths))
-    assert len(routing) == len(want_routing) == (1 if family else 2)
+    assert len(routing) == len(want_routing) == (1 if family == GPT_OSS_MLP else 2)
     for mine, theirs in zip(routing.values(), want_routing.values()):
         assert torch.equal(mine[0], theirs[0])  # (row, position) order, route_topk's order
     assert _same_weights(p.state_dict(), model)

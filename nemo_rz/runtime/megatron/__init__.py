@@ -1,8 +1,9 @@
 """The Megatron-core learner (`runtime.learner=megatron`): a GPTModel from the same DecoderConfig, trained by
 the same loss, with logprobs equal to the built-in Decoder's at every tensor-parallel size (consistent kernels).
 
-model.py builds the model (layers.py: the nemo_rz.ops layer spec; convert.py: weights to and from Hugging Face
-names), data_parallel.py and learner.py train it over tp x dp processes, launch.py starts those processes.
+model.py builds the model (layers.py: the nemo_rz.ops layer spec; moe.py: mixtures of experts and expert
+parallelism; convert.py: weights to and from Hugging Face names), data_parallel.py and learner.py train it over
+tp x dp processes, launch.py starts those processes.
 """
 import warnings
 

@@ -35,7 +35,14 @@ all-gather dispatcher and SequentialMLP experts (one local MLP per expert), Qwen
 biased router and clamped SwiGLU are refused in one line), ep=1.
 
 The routing record (models.moe.recorded_routing, Learner.decompose's routing_diff_tokens) covers consistent
-layers: each forward logs its tokens' experts in the Decoder's (row, position) order, in route_topk's order.
+layers: each forward logs its tokens' experts in the Decoder's (row, position) order and route_topk's slot order;
+on leaving the record, a layer joins its forwards (the data-parallel shares this rank ran) and gathers them over
+the data-parallel group in rank order (`finish_routing_log`): the whole batch's rows, as the learner compares them
+with the rollout's routing (the padding rows the data-parallel cut adds at the end are cut there).
+
+Not built: MoE with megatron.tp > 1 (refused in one line: experts split over ep, not their features), shared
+experts, capacity / token dropping and auxiliary losses (nemo-rz's routing has none), expert weights sharded over
+ep (see above).
 """
 from __future__ import annotations
 
