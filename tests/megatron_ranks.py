@@ -40,6 +40,8 @@ FAMILIES = {
                            dict(layer_types=None, sliding_window=None)]),
 }
 FAMILIES["gemma3-bf16"] = ({**FAMILIES["gemma3"][0], "dtype": "bfloat16"}, FAMILIES["gemma3"][1])
+FAMILIES["gpt-oss"] = ({**FAMILIES["gpt-oss-attention"][0], "num_experts": 4, "num_experts_per_tok": 2,  # its MoE: moe.py
+                        "moe_intermediate_size": 32, "moe_kind": "gpt_oss"}, FAMILIES["gpt-oss-attention"][1])
 TP2_FAMILIES = ("gemma3-bf16", "mistral", "qwen2-window-mix", "gpt-oss-attention")
 QUANT_MODEL = dict(qk_norm=False, attention_bias=True, o_proj_bias=True)  # every recipe, TP=1 and TP=2
 
