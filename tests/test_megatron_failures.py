@@ -130,3 +130,35 @@ def test_a_raising_rank_stops_the_training_job_with_its_error(tmp_path):
     proc = _cli([sys.executable, str(ROOT / "tests" / "megatron_failing_rank.py")], run_dir)
     report = _run_to_failure(proc, run_dir, lambda ranks: None)
     _check_report(proc, run_dir, *report, f"ended with exit code 1 ({FAULT})")
+
+
+def test_the_watch_counts_a_rank_silence_not_its_own_absence(monkeypatch):
+    from nemo_rz.runtime import heartbeat
+
+    clock = [100.0]
+    monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
+
+    def watched():
+        beating, starting = heartbeat.Pipe(), heartbeat.Pipe()
+        os.write(beating.child_fds[0], b".")
+        return heartbeat.Watch([beating, starting], timeout_s=5.0, startup_s=30.0), beating
+
+    def tick(watch, seconds, beat=None):
+        clock[0] += seconds
+        if beat is not None:
+            os.write(beat.child_fds[0], b".")
+        return watch.silent()
+
+    watch, beating = watched()
+    assert watch.silent() is None
+    assert all(tick(watch, 1.0, beating) is None for _ in range(10))  # beating: never silent
+    assert tick(watch, 60.0) is None  # the watcher itself was away (Ctrl-Z stops the whole job): nobody's silence
+    assert tick(watch, 1.0, beating) is None
+    results = [tick(watch, 1.0) for _ in range(6)]  # rank 0 falls silent
+    assert results[:4] == [None] * 4 and results[5] == (0, 6.0)
+    watch, beating = watched()  # rank 1 never beats: it has the start-up time, not the heartbeat's
+    assert all(tick(watch, 1.0, beating) is None for _ in range(30)) and tick(watch, 1.0, beating) == (1, 31.0)
+    # negative control: a watcher that does not skip its own absence blames the ranks for it
+    monkeypatch.setattr(heartbeat, "AWAY_S", float("inf"))
+    watch, beating = watched()
+    assert watch.silent() is None and tick(watch, 60.0) == (0, 60.0)
