@@ -187,6 +187,14 @@ def test_a_tp_split_that_would_change_bits_is_refused(monkeypatch):
         layers.check_split_outputs({(64, 128)}, 2, torch.float32)
 
 
+def test_a_tp_that_splits_a_query_group_is_refused_in_one_line():
+    from nemo_rz.runtime.megatron import spec
+
+    spec.transformer_config(tiny_model(0).config, 2)  # 2 kv heads: one per rank
+    with pytest.raises(ValueError, match=r"^megatron.tp = 2 does not divide the model's num_kv_heads = 1; choose"):
+        spec.transformer_config(tiny_model(0, num_kv_heads=1).config, 2)
+
+
 def test_unsupported_models_are_refused_in_one_line(monkeypatch):
     from nemo_rz.runtime.megatron import spec
 

@@ -67,6 +67,9 @@ def check_supported(cfg: DecoderConfig, fast: bool) -> None:
 
 
 def transformer_config(cfg: DecoderConfig, tp: int) -> TransformerConfig:
+    if cfg.num_kv_heads % tp:  # a rank holds whole query groups (Megatron would assert)
+        raise ValueError(f"megatron.tp = {tp} does not divide the model's num_kv_heads = {cfg.num_kv_heads}; choose a tp "
+                         "that divides it")
     with warnings.catch_warnings():  # a deprecation notice about CUDA graphs, which the learner does not use
         warnings.filterwarnings("ignore", message="full scope is deprecated")
         return _transformer_config(cfg, tp)
