@@ -1,10 +1,10 @@
-"""Context-parallel attention and decoder (2 ranks) and a 2-stage pipeline vs one process, over gloo here.
+"""Context-parallel attention and decoder (2 ranks) vs one process, over gloo here.
 
 CP: `ring_attention` forward + backward of a packed row; one process (the same function, and ops.attention with
 its library backward) vs 2 gloo ranks (wall time of the slower rank). Decoder: a whole model's forward +
 backward of the same packed row (`cp_token_logprobs`, the loss -sum of logprobs, `reduce_gradients`); one
 process (the same functions, and `Decoder.token_logprobs` of the sequences padded into one batch) vs 2 ranks.
-PP: one `Pipeline.step` (GPipe, micro-batches, token-logprob loss) in one process vs 2 stages. Every process
+(Pipeline stages are Megatron's schedule now: benchmarks/megatron_pipeline.py times them.) Every process
 runs 1 torch thread (the ranks together use 2 cores). Median wall and process CPU seconds over --repeat steps
 after one warm-up step (CPU time: each rank's own, the larger of the two; it shows how the work splits
 whatever else the cores run).
@@ -15,8 +15,7 @@ whatever else the cores run).
 
 Shapes: tiny = the default job's model (hidden 64, 2 layers, 4/2 heads, head_dim 16) and a learner batch of 64
 sequences of 12-28 tokens; realistic = SmolLM2-135M's attention (9/3 heads, head_dim 64) on a packed row of
-two 1,024-token sequences, its model with 2 of its 30 layers on that row (decoder), and with 8 layers on a
-[4, 128] batch (PP).
+two 1,024-token sequences, its model with 2 of its 30 layers on that row (decoder).
 """
 from __future__ import annotations
 
@@ -41,17 +40,14 @@ import shapes  # noqa: E402
 from nemo_rz import ops  # noqa: E402
 from nemo_rz.models import Decoder, DecoderConfig  # noqa: E402
 from nemo_rz.parallel.context import ZigzagShard, cp_token_logprobs, reduce_gradients, ring_attention  # noqa: E402
-from nemo_rz.parallel.pipeline import Pipeline  # noqa: E402
 
 SHAPES = {
     "tiny": dict(cp=dict(heads=4, kv_heads=2, dim=16, lengths=[12 + (7 * i) % 17 for i in range(64)]),
-                 decoder=dict(preset="tiny", layers=2),
-                 pp=dict(preset="tiny", layers=2, batch=64, length=16, micro=4)),
+                 decoder=dict(preset="tiny", layers=2)),
     "realistic": dict(cp=dict(heads=9, kv_heads=3, dim=64, lengths=[1024, 1024]),
-                      decoder=dict(preset="smollm2-135m", layers=2),
-                      pp=dict(preset="smollm2-135m", layers=8, batch=4, length=128, micro=4)),
+                      decoder=dict(preset="smollm2-135m", layers=2)),
 }
-PARTS = ("cp", "decoder", "pp")
+PARTS = ("cp", "decoder")
 
 
 def _cp_inputs(c):
@@ -104,12 +100,6 @@ def _model(preset, layers):
     return Decoder(cfg)
 
 
-def _pp_model(p):
-    model = _model(p["preset"], p["layers"])
-    ids = torch.randint(0, model.config.vocab_size, (p["batch"], p["length"]), generator=torch.Generator().manual_seed(1))
-    return model, ids
-
-
 def _decoder_model(shape):
     d, lengths = SHAPES[shape]["decoder"], SHAPES[shape]["cp"]["lengths"]
     model = _model(d["preset"], d["layers"])
@@ -132,23 +122,12 @@ def _dense_step(model, ids, cu):
     (-model.token_logprobs(batch, torch.tensor(lengths)).sum()).backward()
 
 
-def _loss(model, hidden, ids):
-    b, length = ids.shape
-    h = hidden.view(b, length, -1)[:, :-1].reshape(b * (length - 1), -1)
-    return -ops.token_logprobs(model.logits(h), ids[:, 1:].reshape(-1)).mean()
-
-
-def _pp_step(pipe, ids, micro):
-    pipe.model.zero_grad(set_to_none=True)
-    pipe.step(ids, micro, _loss)
-
-
 def _worker(rank, world, port, shape, parts, repeat, out_dir):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        c, p, out = SHAPES[shape]["cp"], SHAPES[shape]["pp"], {}
+        c, out = SHAPES[shape]["cp"], {}
         if "cp" in parts:
             shard = ZigzagShard(_cu(c["lengths"]), world, rank)
             local = [x[shard.index] for x in _cp_inputs(c)]
@@ -156,10 +135,6 @@ def _worker(rank, world, port, shape, parts, repeat, out_dir):
         if "decoder" in parts:
             model, ids, cu = _decoder_model(shape)
             out["decoder"] = _timed(lambda: _decoder_step(model, ids, cu), repeat, dist.barrier)
-        if "pp" in parts:
-            model, ids = _pp_model(p)
-            pipe = Pipeline(model, dist.group.WORLD)
-            out["pp"] = _timed(lambda: _pp_step(pipe, ids, p["micro"]), repeat, dist.barrier)
         Path(out_dir, f"{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
@@ -167,7 +142,7 @@ def _worker(rank, world, port, shape, parts, repeat, out_dir):
 
 def _one_process(shape, parts, repeat) -> dict:
     """{part: {run: (wall, cpu)}} of the one-process runs."""
-    c, p, rows = SHAPES[shape]["cp"], SHAPES[shape]["pp"], {}
+    c, rows = SHAPES[shape]["cp"], {}
     if "cp" in parts:
         inputs, scale = _cp_inputs(c), c["dim"] ** -0.5
         one = ZigzagShard(_cu(c["lengths"]), 1, 0)
@@ -177,10 +152,6 @@ def _one_process(shape, parts, repeat) -> dict:
         model, ids, cu = _decoder_model(shape)
         rows["decoder"] = {"cp_token_logprobs, 1 process": _timed(lambda: _decoder_step(model, ids, cu), repeat),
                            "Decoder.token_logprobs (padded batch), 1 process": _timed(lambda: _dense_step(model, ids, cu), repeat)}
-    if "pp" in parts:
-        model, ids = _pp_model(p)
-        pipe = Pipeline(model)
-        rows["pp"] = {"Pipeline.step, 1 process": _timed(lambda: _pp_step(pipe, ids, p["micro"]), repeat)}
     return rows
 
 
@@ -202,13 +173,12 @@ def main() -> None:
         mp.spawn(_worker, args=(2, port, args.shape, parts, args.repeat, out), nprocs=2, join=True)
         ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(2)]
     for part in parts:
-        rows[part]["2 ranks over gloo (slower rank)" if part != "pp" else "2 stages over gloo (slower stage)"] = tuple(
+        rows[part]["2 ranks over gloo (slower rank)"] = tuple(
             max(r[part][i] for r in ranks) for i in range(2))
-    c, p, d = SHAPES[args.shape]["cp"], SHAPES[args.shape]["pp"], SHAPES[args.shape]["decoder"]
+    c, d = SHAPES[args.shape]["cp"], SHAPES[args.shape]["decoder"]
     print(f"# {datetime.date.today()} shape={args.shape} cp={c['heads']}/{c['kv_heads']} heads, head_dim {c['dim']}, "
           f"{len(c['lengths'])} sequences, {sum(c['lengths'])} tokens; decoder={d['preset']} x {d['layers']} layers on "
-          f"that row; pp={p['preset']} x {p['layers']} layers, batch {p['batch']}x{p['length']}, {p['micro']} "
-          f"micro-batches; 1 torch thread per process; load average at the end {os.getloadavg()[0]:.1f} on "
+          f"that row; 1 torch thread per process; load average at the end {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
     print("| part | run | fwd+bwd wall s | vs 1 process | CPU s |")
     print("|---|---|---|---|---|")

@@ -188,7 +188,7 @@ SCHEMA: dict[str, Key] = {
     "runtime.worker_heartbeat_s": Positive(why="seconds a rollout worker may stay silent before it is restarted"),
     "runtime.learner": Choice(("builtin", "megatron"), fixed=True, why="megatron needs the megatron extra"),
     "megatron.tp": Int(1, fixed=True, why="tensor-parallel ranks"),
-    "megatron.pp": Int(1, 1, fixed=True, why="pipeline parallelism is not supported yet"),
+    "megatron.pp": Int(1, fixed=True, why="pipeline stages (Megatron's schedule; must divide the model's layers)"),
     "megatron.cp": Int(1, fixed=True, why="context-parallel ranks (each sequence's tokens split over them)"),
     "megatron.ep": Int(1, fixed=True, why="expert-parallel ranks: the experts split over ep of the dp x cp ranks"),
     "megatron.dp": Int(1, fixed=True, why="data-parallel ranks"),

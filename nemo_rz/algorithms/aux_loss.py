@@ -10,6 +10,10 @@ the same hook: it is `Learner.rl_step`'s.
 What a tap records is laid out as the forward ran: the built-in learner's forward is packed (the batch's valid
 tokens, sum(lengths) rows, no padding: models.decoder.packed_rows); `padded` gives it the batch's [B * T] layout.
 
+A model whose layers a loss cannot hook as a Decoder's (the Megatron learner's: its layers are Megatron's, split
+over ranks and stages) names a stand-in, `model.aux_target` (runtime/megatron/taps.py's TapView): the losses tap
+and read that instead; its tap points get the model's features in the padded layout once the forward is done.
+
 A loss's optimizer state travels in the learner's optimizer state under the loss's `name`; the weights it ships
 with every weight version (a draft's) are `shipped()`, and `receive` takes them back from a checkpoint.
 """
@@ -45,18 +49,24 @@ class AuxLoss(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+def target(model):
+    """What the losses tap and read of `model`: its `aux_target` where it names one, else the model itself."""
+    stand_in = getattr(model, "aux_target", None)
+    return model if stand_in is None else stand_in
+
+
 @contextlib.contextmanager
 def tapped(model, losses: list[AuxLoss]):
     """Every loss's tap around one forward; yields what each recorded, in the losses' order."""
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(loss.tap(model)) for loss in losses]
+        yield [stack.enter_context(loss.tap(target(model))) for loss in losses]
 
 
 def learn(model, losses: list[AuxLoss], taps: list, batch, temperature: float, what: str) -> dict[str, float]:
     """Each loss's step on what it tapped; their metrics, merged (a loss prefixes its own keys)."""
     metrics: dict[str, float] = {}
     for loss, t in zip(losses, taps):
-        metrics.update(loss.learn(model, t, batch, temperature, what))
+        metrics.update(loss.learn(target(model), t, batch, temperature, what))
     return metrics
 
 

@@ -1,31 +1,26 @@
-"""Pipeline parallelism for a Decoder, and a tap channel that carries features between stages beside it.
+"""A tap channel: features of chosen layers carried from the ranks that compute them to the rank that reads them,
+beside a pipeline schedule rather than inside it.
 
-`Pipeline`: rank s of the pipeline's process group runs layers [s * L / S, (s + 1) * L / S) of the model; the
-first stage also embeds, the last also normalises and scores. One training step is GPipe: every micro-batch
-forward through the stages (activations sent to the next stage), then every micro-batch backward in reverse
-(activation gradients sent back). Each stage runs exactly the ops one process would run, in the same shapes,
-so losses and gradients equal a one-process run over the same micro-batches bit for bit.
+A draft trained beside the policy reads the outputs of chosen ("aux") layers and of the final norm; under
+pipeline parallelism those live on several stages (and under data parallelism each micro-batch on its own
+replica). Forward hooks on those modules hand each micro-batch's outputs (detached: the draft does not train the
+policy) to the channel the moment they are computed; a point owned by another rank than the consumer is sent
+at once (isend) on a process group of the channel's own, so the schedule's messages never wait for the features,
+nor the features for the schedule. The consumer takes a micro-batch's point when it needs it.
 
-`TapChannel`: a draft trained beside the policy reads the outputs of chosen ("aux") layers, which live on
-several stages. Forward hooks on those layers send each micro-batch's outputs (detached: the draft does not
-train the policy) to the stage that holds the draft the moment they are computed, on a process group of the
-channel's own: the schedule's messages never wait for them, nor they for the schedule. The consumer collects
-a micro-batch's features in layer order when it needs them.
+The pipeline schedule itself is Megatron's (runtime/megatron/schedule.py drives it for the Megatron learner,
+which taps through this channel: runtime/megatron/taps.py).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemo_rz.models.decoder import Decoder, Tokens
-
-__all__ = ["Pipeline", "TapChannel", "embedded", "stage_layers"]
-
-_ACTIVATION_TAG, _GRADIENT_TAG = 21, 22
+__all__ = ["TapChannel", "stage_layers"]
 
 
 def stage_layers(num_layers: int, stages: int, stage: int) -> range:
@@ -35,138 +30,71 @@ def stage_layers(num_layers: int, stages: int, stage: int) -> range:
     return range(stage * num_layers // stages, (stage + 1) * num_layers // stages)
 
 
-class _Capture(nn.Module):
-    def forward(self, x, t):
-        self.seen = (x, t)
-        return x
-
-
-def embedded(model: Decoder, input_ids: torch.Tensor) -> tuple[torch.Tensor, Tokens]:
-    """(x, t) for a dense batch [B, T]: the embedded tokens [B * T, hidden] and the Tokens the model's layers
-    take, both prepared by the model's own forward (its layers swapped for a capture for the call)."""
-    b, length = input_ids.shape
-    dev = input_ids.device
-    t = Tokens(input_ids.reshape(-1), torch.arange(length, device=dev).repeat(b),
-               torch.arange(b, device=dev).repeat_interleave(length), None, (b, length))
-    layers, capture = model.model.layers, _Capture()
-    model.model.layers = nn.ModuleList([capture])
-    try:
-        model.hidden(t)
-    finally:
-        model.model.layers = layers
-    return capture.seen
-
-
 class TapChannel:
-    """Carries the outputs of `layers` (in that order: the consumer concatenates them) from the stages that
-    compute them to stage `consumer`, over `group` (a process group of its own; None: one process)."""
+    """Carries `points` (n = 0..len(points)-1: what the consumer reads, in that order) of every micro-batch from
+    the rank computing it, owner(micro_batch, n), to rank `consumer` of `group` (None: one process)."""
 
-    def __init__(self, layers, num_layers: int, stages: int, consumer: int, group=None):
-        self.layers, self.consumer, self.group = tuple(int(i) for i in layers), consumer, group
-        bad = [i for i in self.layers if not 0 <= i < num_layers]
-        if bad:
-            raise ValueError(f"tap layers {list(self.layers)}: layer {bad[0]} is outside 0..{num_layers - 1}")
-        self.owner = [next(s for s in range(stages) if i in stage_layers(num_layers, stages, s)) for i in self.layers]
+    def __init__(self, points, owner: Callable[[int, int], int], consumer: int, rank: int, group=None):
+        self.points, self.owner, self.consumer, self.rank, self.group = tuple(points), owner, consumer, rank, group
         self._kept: dict = {}
         self._sending: list = []
 
+    @classmethod
+    def for_stages(cls, layers, num_layers: int, stages: int, consumer: int, rank: int, group=None) -> "TapChannel":
+        """Layers of a model split into `stages` (stage_layers): a layer's outputs come from its stage."""
+        layers = tuple(int(i) for i in layers)
+        bad = [i for i in layers if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"tap layers {list(layers)}: layer {bad[0]} is outside 0..{num_layers - 1}")
+        stage = [next(s for s in range(stages) if i in stage_layers(num_layers, stages, s)) for i in layers]
+        return cls(layers, lambda _mb, n: stage[n], consumer, rank, group)
+
     def _tag(self, micro_batch: int, index: int) -> int:
-        return micro_batch * len(self.layers) + index
+        return micro_batch * len(self.points) + index
+
+    def put(self, micro_batch: int, index: int, x: torch.Tensor) -> None:
+        """Point `index` of `micro_batch`, computed here: kept (the consumer) or sent to the consumer."""
+        x = x.detach()
+        if self.rank == self.consumer:
+            self._kept[micro_batch, index] = x
+        else:
+            x = x.contiguous()
+            self._sending.append((x, dist.isend(x, group=self.group, group_dst=self.consumer,
+                                                tag=self._tag(micro_batch, index))))
+
+    def take(self, micro_batch: int, index: int, like: torch.Tensor) -> torch.Tensor:
+        """On the consumer: point `index` of `micro_batch` (`like`: a tensor of its shape and dtype)."""
+        x = self._kept.pop((micro_batch, index), None)
+        if x is None:
+            x = torch.empty_like(like)
+            dist.irecv(x, group=self.group, group_src=self.owner(micro_batch, index), tag=self._tag(micro_batch, index)).wait()
+        return x
+
+    def features(self, micro_batch: int, like: torch.Tensor) -> torch.Tensor:
+        """On the consumer: every point of `micro_batch`, concatenated in the points' order on the last dim."""
+        return torch.cat([self.take(micro_batch, n, like) for n in range(len(self.points))], dim=-1)
 
     @contextlib.contextmanager
-    def tapping(self, model: Decoder, stage: int, micro_batch: int):
-        """Within the block, this stage's tapped layers hand their outputs of `micro_batch` to the channel."""
+    def tapping(self, modules: Mapping[int, nn.Module], micro_batch: Callable[[], int],
+                view: Callable[[torch.Tensor], torch.Tensor] = lambda x: x):
+        """Within the block, the modules of the points this rank computes ({n: module}) hand their outputs
+        (the first element of a tuple output) to the channel, as `view` lays them out, under the micro-batch
+        `micro_batch()` says is running."""
 
         def hook(index):
             def keep(_module, _args, out):
-                x = (out[0] if isinstance(out, tuple) else out).detach()
-                if stage == self.consumer:
-                    self._kept[micro_batch, index] = x
-                else:
-                    x = x.contiguous()
-                    self._sending.append((x, dist.isend(x, group=self.group, group_dst=self.consumer, tag=self._tag(micro_batch, index))))
+                self.put(micro_batch(), index, view(out[0] if isinstance(out, tuple) else out))
             return keep
 
-        handles = [model.model.layers[i].register_forward_hook(hook(n))
-                   for n, (i, owner) in enumerate(zip(self.layers, self.owner)) if owner == stage]
+        handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
 
-    def features(self, micro_batch: int, like: torch.Tensor) -> torch.Tensor:
-        """On the consumer: the tapped features of `micro_batch` [N, len(layers) * hidden] (`like`: an
-        [N, hidden] tensor of the batch's shape and dtype)."""
-        parts = []
-        for n, owner in enumerate(self.owner):
-            x = self._kept.pop((micro_batch, n), None)
-            if x is None:
-                x = torch.empty_like(like)
-                dist.irecv(x, group=self.group, group_src=owner, tag=self._tag(micro_batch, n)).wait()
-            parts.append(x)
-        return torch.cat(parts, dim=-1)
-
     def flush(self) -> None:
-        """Wait until every feature this stage sent has been delivered."""
+        """Wait until every point this rank sent has been delivered."""
         for _, work in self._sending:
             work.wait()
         self._sending.clear()
-
-
-class Pipeline:
-    """GPipe training steps of `model` split over the ranks of `group` (None: one process, one stage)."""
-
-    def __init__(self, model: Decoder, group=None, tap: TapChannel | None = None):
-        self.model, self.group, self.tap = model, group, tap
-        self.stages = 1 if group is None else dist.get_world_size(group)
-        self.stage = 0 if group is None else dist.get_rank(group)
-        self.layers = stage_layers(model.config.num_layers, self.stages, self.stage)
-        self.last = self.stage == self.stages - 1
-
-    def step(self, input_ids: torch.Tensor, micro_batches: int,
-             loss: Callable[[Decoder, torch.Tensor, torch.Tensor], torch.Tensor],
-             draft_loss: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> dict:
-        """Forward and backward of `input_ids` [B, T] in `micro_batches` equal chunks: parameter gradients
-        accumulate as for the sum over micro-batches of loss(model, final hidden [b * T, hidden], ids) / micro_batches.
-        On the tap channel's consumer, draft_loss(micro_batch, features, ids) is differentiated at once (its
-        inputs are detached, so it trains only the draft). Returns the losses this stage computed (floats)."""
-        if input_ids.shape[0] % micro_batches:
-            raise ValueError(f"batch of {input_ids.shape[0]} rows in {micro_batches} micro-batches: the batch must divide evenly")
-        chunks = input_ids.chunk(micro_batches)
-        kept, out = [], {"loss": 0.0, "draft_loss": 0.0}
-        for mb, ids in enumerate(chunks):
-            x0, t = embedded(self.model, ids)
-            x = x0 if self.stage == 0 else self._recv(x0, self.stage - 1, _ACTIVATION_TAG).requires_grad_()
-            tapping = self.tap.tapping(self.model, self.stage, mb) if self.tap else contextlib.nullcontext()
-            with tapping:
-                y = x
-                for i in self.layers:
-                    y = self.model.model.layers[i](y, t)
-            if self.last:
-                y = loss(self.model, self.model.model.norm(y), ids) / micro_batches
-                out["loss"] += float(y.detach())
-            else:
-                dist.send(y.detach().contiguous(), group=self.group, group_dst=self.stage + 1, tag=_ACTIVATION_TAG)
-            kept.append((x, y))
-            if self.tap is not None and self.tap.consumer == self.stage:
-                features = self.tap.features(mb, x0.detach())  # received even when unused: senders wait for it
-                if draft_loss is not None:
-                    d = draft_loss(mb, features, ids)
-                    d.backward()
-                    out["draft_loss"] += float(d.detach())
-        for x, y in reversed(kept):
-            if self.last:
-                y.backward()
-            else:
-                y.backward(self._recv(y.detach(), self.stage + 1, _GRADIENT_TAG))
-            if self.stage > 0:
-                dist.send(x.grad.contiguous(), group=self.group, group_dst=self.stage - 1, tag=_GRADIENT_TAG)
-        if self.tap is not None:
-            self.tap.flush()
-        return out
-
-    def _recv(self, like: torch.Tensor, src: int, tag: int) -> torch.Tensor:
-        x = torch.empty_like(like)
-        dist.recv(x, group=self.group, group_src=src, tag=tag)
-        return x

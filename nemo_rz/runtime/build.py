@@ -112,15 +112,14 @@ def model_len(model: Decoder, task: Task, max_new_tokens: int) -> int:
 def build_draft(d: schema.DraftSection, grad_clip: float | None, generation_backend: str, learner: Learner,
                 model: Decoder) -> DraftTrainer | None:
     """draft.mode=cotrain: a fresh draft trained on each RL batch's features; frozen: a saved one, only
-    evaluated; both ship with every weight version. off (or YAML's bare off, false): no draft."""
+    evaluated; both ship with every weight version. off (or YAML's bare off, false): no draft. Either learner:
+    the draft is its auxiliary loss (on the Megatron learner it trains on rank 0, fed by every stage's taps)."""
     mode = d.mode or "off"
     if mode == "off":
         return None
     if generation_backend != "builtin":
         raise ValueError(f"draft.mode = {mode}: speculative rollouts run in the built-in engine only (the nemo-rz "
                          "draft is not wired into vLLM's EAGLE drafter); use generation.backend=builtin or draft.mode=off")
-    if type(learner) is not Learner:
-        raise ValueError(f"draft.mode = {mode}: the draft trains beside the built-in learner; use runtime.learner=builtin")
     if mode == "frozen" and d.checkpoint is None:
         raise ValueError("draft.mode = frozen needs draft.checkpoint (a draft saved with nemo_rz.models.draft.save_draft)")
     if d.checkpoint is not None:  # frozen, or co-training that starts from a saved draft

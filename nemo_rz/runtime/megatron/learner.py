@@ -1,12 +1,16 @@
 """The Megatron learner: runtime.Learner's loss and update (the same code) on a Megatron GPTModel, over
-the processes of a Layout (layout.py).
+the processes of a Layout (layout.py): tensor, pipeline (Megatron's schedule, schedule.py) and data parallel.
 
 Rank 0 runs the trainer and drives the learner; with more than one process, every learner call on rank 0 is
 first sent to the other ranks (`collective`), which run the same call on their part of the model (`serve`):
 the model's collectives then pair up. What differs from the built-in learner is only what tensor parallelism
-changes: the gradient norm and the weight norm are sums over the ranks' shards, qk-norm weights (shared by
-heads that live on different ranks) get their gradients summed over the ranks, and the optimizer state is one
-per rank. A Decoder (`mirror`) on rank 0 follows every update, for held-out evaluation with the built-in engine.
+changes: the gradient norm and the weight norm are sums over the ranks' shards and stages (each tensor's square
+in the whole model's order, so the sum is PP=1's), qk-norm weights (shared by heads that live on different
+ranks) get their gradients summed over the ranks, and the optimizer state is one per rank. A Decoder (`mirror`)
+on rank 0 follows every update, for held-out evaluation with the built-in engine.
+
+Auxiliary losses (a co-trained draft) run on rank 0 through runtime.Learner's hook: `add_aux_loss` learns which
+points of the model the loss taps and has every rank tap them in the RL forward (taps.py).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from nemo_rz.runtime.megatron.data_parallel import DataParallel
 from nemo_rz.runtime.megatron.layout import Layout
 from nemo_rz.runtime.megatron.model import MegatronPolicy
 from nemo_rz.runtime.megatron.precision import apply_precision
+from nemo_rz.runtime.megatron.taps import Taps, TapView
 
 _SHARED_ACROSS_HEADS = ("q_layernorm", "k_layernorm")  # replicated weights applied to each rank's own heads
 PEER_LOSS_GRACE_S = 10.0
@@ -69,13 +74,14 @@ class MegatronLearner(Learner):
         policy = MegatronPolicy(DecoderConfig.from_dict(config))
         policy.load_state_dict(weights)
         apply_precision(policy, precision)  # the recipe the mirror and the rollout engines run (precision.py)
-        self.tp_group = distributed.tp_group()
+        self.tp_group, self.pp_group = distributed.tp_group(), policy.pp_group
         model = DataParallel(policy, layout.shares, distributed.dp_group())
         super().__init__(model, lr, grad_clip, temperature, loss, correction, correction_params)
         self.mirror, self.layout = mirror, layout.to_dict()
         self.commanding = self.rank == 0 and self.world > 1
+        self._tap_group = None
         self.sharded, self.replicated, self.head_shared = [], [], []
-        for name, p in policy.gpt.named_parameters():
+        for name, p in policy.stage_parameters():
             kind = self.sharded if getattr(p, "tensor_model_parallel", False) else self.replicated
             kind.append(p)
             if any(s in name for s in _SHARED_ACROSS_HEADS):
@@ -105,10 +111,45 @@ class MegatronLearner(Learner):
             self.commanding = False
             dist.broadcast_object_list([None], src=0)
 
+    # -- auxiliary losses (rank 0) --------------------------------------------------------------------
+    def add_aux_loss(self, loss) -> None:
+        """Register `loss` (rank 0) and have every rank tap, in the RL forward, the points it reads."""
+        super().add_aux_loss(loss)
+        self._retap()
+
+    @Learner.draft.setter
+    def draft(self, trainer) -> None:
+        Learner.draft.fset(self, trainer)
+        self._retap()
+
+    def _retap(self) -> None:
+        if self.model.aux_target is None:
+            self.model.aux_target = TapView(self.mirror, self.model.config.num_layers)
+        view = self.model.aux_target
+        self._set_taps(tuple(sorted({p for a in self.aux_losses for p in view.points_of(a)})))
+
+    @collective
+    def _set_taps(self, points: tuple[int, ...]) -> None:
+        if self._tap_group is None:  # the tap channel's own group (every rank creates it, in this call)
+            self._tap_group = dist.new_group(backend="gloo")
+        self.model.taps = Taps(self.model.policy, points, self.model.per_rank, self._tap_group) if points else None
+
     # -- the calls rank 0 sends -----------------------------------------------------------------------
     @collective
     def rl_step(self, batch, advantages, what: str = "RL update"):
-        return super().rl_step(batch, advantages, what)
+        taps = self.model.taps
+        if taps is not None:  # the RL forward feeds the auxiliary losses (the other calls' forwards do not)
+            taps.active = True
+        try:
+            return super().rl_step(batch, advantages, what)
+        finally:
+            if taps is not None:
+                taps.active = False
+
+    @collective
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The last update's gradients, whole tensors in Hugging Face names (every rank takes part)."""
+        return self.model.policy.whole(lambda p: p.grad)
 
     @collective
     def sft_step(self, ids, lengths, target_mask, what: str = "warm-up"):
@@ -140,7 +181,7 @@ class MegatronLearner(Learner):
         """Every rank's optimizer state (each holds its own shards' moments), with the layout they belong to."""
         ranks = [None] * self.world
         dist.all_gather_object(ranks, self.opt.state_dict())
-        return dict(megatron=self.layout, ranks=ranks)
+        return dict(megatron=self.layout, ranks=ranks, **{a.name: a.state_dict() for a in self.aux_losses})
 
     @collective
     def load_optimizer_state(self, state: dict, lr: float) -> None:
@@ -151,17 +192,23 @@ class MegatronLearner(Learner):
             saved = state.get("megatron") or "the built-in learner"
             raise ValueError(f"the checkpoint's optimizer state was saved by {saved}, not by the Megatron learner with "
                              f"{self.layout}; resume with the layout it was saved with")
-        super().load_optimizer_state(state["ranks"][self.rank], lr)
+        aux = {a.name: state[a.name] for a in self.aux_losses if a.name in state}  # rank 0's auxiliary losses
+        super().load_optimizer_state({**state["ranks"][self.rank], **aux}, lr)
 
     # -- the update, with norms over the tensor-parallel shards --------------------------------------------
     def _norm(self, tensors_sharded, tensors_replicated) -> float:
-        """L2 norm over the whole model: every rank's shards, the replicated tensors once (float64 sums)."""
-        sq = torch.zeros((), dtype=torch.float64)
-        for t in tensors_sharded:
-            sq += torch.linalg.vector_norm(t.detach(), dtype=torch.float64) ** 2
+        """L2 norm over the whole model: every rank's shards, the replicated tensors once (float64 squares, summed
+        in the whole model's order: the stages' in stage order)."""
+        squares = [[torch.linalg.vector_norm(t.detach(), dtype=torch.float64) ** 2 for t in tensors_sharded], []]
         if dist.get_rank(self.tp_group) == 0:
-            for t in tensors_replicated:
-                sq += torch.linalg.vector_norm(t.detach(), dtype=torch.float64) ** 2
+            squares[1] = [torch.linalg.vector_norm(t.detach(), dtype=torch.float64) ** 2 for t in tensors_replicated]
+        if dist.get_world_size(self.pp_group) > 1:
+            stages = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(stages, squares, group=self.pp_group)
+            squares = [[v for stage in stages for v in stage[kind]] for kind in (0, 1)]
+        sq = torch.zeros((), dtype=torch.float64)
+        for v in squares[0] + squares[1]:
+            sq += v
         return math.sqrt(float(all_gather_sum(sq.reshape(1), self.tp_group)))
 
     def _grads(self, params):

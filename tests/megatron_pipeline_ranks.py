@@ -1,0 +1,77 @@
+"""One rank of the pipeline-parallel Megatron checks in test_megatron_pipeline.py (started by launch.start, 2
+ranks, one launch): PP=2 logprobs through Megatron's schedule in both kernel sets, PP=2 learner updates with 2
+micro-batches (with a co-trained draft fed across stages) and with 1, a tied model at PP=2, and a TP=2 update
+with the draft. Rank 0 saves what it got to argv[1]."""
+import sys
+
+import torch
+from conftest import tiny_model
+from megatron_ranks import rl_batch
+
+from nemo_rz import ops
+from nemo_rz.algorithms.draft import DraftTrainer
+from nemo_rz.models.draft import DraftHead
+from nemo_rz.runtime.megatron import distributed
+from nemo_rz.runtime.megatron.data_parallel import DataParallel
+from nemo_rz.runtime.megatron.layout import Layout
+from nemo_rz.runtime.megatron.learner import MegatronLearner
+from nemo_rz.runtime.megatron.model import MegatronPolicy
+
+VOCAB, LAYERS, AUX = 47, 4, (0, 2, 3)  # AUX: layer 0 on stage 0 (rank 0's), layers 2, 3 and the final norm on stage 1
+
+
+def model(**kw):
+    return tiny_model(0, vocab_size=VOCAB, num_layers=LAYERS, **kw)
+
+
+def draft(mirror) -> DraftTrainer:
+    torch.manual_seed(5)
+    return DraftTrainer(DraftHead(mirror.config, AUX, num_layers=1), "cotrain", 1e-3, 1.0, steps=2, k=3, grad_clip=1.0)
+
+
+def learner(mirror, layout: Layout) -> MegatronLearner:
+    return MegatronLearner(mirror, layout, 1e-3, 1.0, 1.0, "reinforce_zero", "unclipped", {})
+
+
+def update(layout: Layout, with_draft: bool = False, **kw) -> dict | None:
+    """One RL update on every rank; rank 0 returns what it saw."""
+    if torch.distributed.get_rank():
+        MegatronLearner.follow()
+        return None
+    mirror = model(**kw)
+    lrn = learner(mirror, layout)
+    if with_draft:
+        lrn.add_aux_loss(draft(mirror))
+    metrics, lp = lrn.rl_step(*rl_batch())
+    out = dict(metrics=metrics, lp=lp, grads=lrn.gradients(), weights=lrn.state_dict_copy(),
+               mirror={k: v.clone() for k, v in mirror.state_dict().items()})
+    if with_draft:
+        out["draft"] = lrn.draft.shipped()
+    lrn.stop()
+    return out
+
+
+def main(out: str) -> None:
+    torch.set_num_threads(1)
+    got = {}
+    ids, lengths = rl_batch()[0].input_ids, rl_batch()[0].lengths
+    distributed.init(Layout(pp=2))
+    for mode in ("consistent", "fast"):
+        with ops.use_kernels(mode):
+            policy = MegatronPolicy(model().config)
+            policy.load_state_dict(model().state_dict())
+            with torch.no_grad():
+                got[f"pp2_{mode}"] = DataParallel(policy, 2, distributed.dp_group()).token_logprobs(ids, lengths)
+            got[f"pp2_{mode}_weights"] = policy.state_dict()
+    with ops.use_kernels("consistent"):
+        got["pp2_shares2"] = update(Layout(pp=2, grad_shares=2), with_draft=True)
+        got["pp2_shares1"] = update(Layout(pp=2, grad_shares=1))
+        got["pp2_tied"] = update(Layout(pp=2, grad_shares=2), tie_word_embeddings=True)
+        distributed.init(Layout(tp=2))
+        got["tp2_draft"] = update(Layout(tp=2), with_draft=True)
+    if torch.distributed.get_rank() == 0:
+        torch.save(got, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,137 @@
+"""Pipeline parallelism of the Megatron learner through Megatron's own schedule, and the co-trained draft on the
+Megatron learner (its auxiliary-loss hook).
+
+One launch of 2 ranks (tests/megatron_pipeline_ranks.py) computes: PP=2 logprobs (both kernel sets), PP=2
+updates over 2 micro-batches (with a draft whose aux layers live on both stages) and over 1, a tied model at
+PP=2, and a TP=2 update with the draft. Here, in one process: PP=2 logprobs == PP=1 == the built-in Decoder bit
+for bit; PP=2 loss, logprobs, gradients (gathered to whole weights) and weights after the step == PP=1's with
+the same grad_shares; the draft's weights after one step == the built-in learner's at PP=1, PP=2 and TP=2.
+Negative controls: Megatron's own layers (fast) differ at PP=2; a schedule of 1 micro-batch instead of 2
+changes the gradient bits (and equals PP=1 over 1 share); features routed to the wrong micro-batch change the
+draft. The train CLI at megatron.pp=2 with a co-trained draft trains with zero kernel mismatch.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_pipeline_ranks import draft, learner, model  # noqa: E402
+from megatron_ranks import rl_batch  # noqa: E402
+
+from nemo_rz import ops  # noqa: E402
+from nemo_rz.parallel.pipeline import TapChannel  # noqa: E402
+from nemo_rz.runtime.learner import Learner  # noqa: E402
+from nemo_rz.runtime.megatron import distributed, launch  # noqa: E402
+from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
+from nemo_rz.runtime.megatron.model import MegatronPolicy  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    distributed.init(Layout())
+    yield
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp_ranks") / "out.pt"
+    code = launch.start([sys.executable, str(ROOT / "tests" / "megatron_pipeline_ranks.py"), str(out)], 2)
+    assert code == 0
+    return torch.load(out)
+
+
+def _pp1(shares: int, with_draft: bool = False, **kw) -> dict:
+    """One update of the Megatron learner in this process (PP=1) over `shares` shares."""
+    mirror = model(**kw)
+    with ops.use_kernels("consistent"):
+        lrn = learner(mirror, Layout(grad_shares=shares))
+        if with_draft:
+            lrn.add_aux_loss(draft(mirror))
+        metrics, lp = lrn.rl_step(*rl_batch())
+        out = dict(metrics=metrics, lp=lp, grads=lrn.gradients(), weights=lrn.state_dict_copy())
+        if with_draft:
+            out["draft"] = lrn.draft.shipped()
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_pp2_logprobs_equal_pp1_and_the_decoder_bit_for_bit(ranks):
+    m = model()
+    b = rl_batch()[0]
+    want = m.token_logprobs(b.input_ids, b.lengths)
+    with ops.use_kernels("consistent"):
+        pp1 = MegatronPolicy(m.config)
+    pp1.load_state_dict(m.state_dict())
+    assert torch.equal(pp1.token_logprobs(b.input_ids, b.lengths), want)
+    assert torch.equal(ranks["pp2_consistent"], want)
+    assert _same(ranks["pp2_consistent_weights"], m.state_dict())  # every stage's weights, whole, in HF names
+    # negative control: Megatron's own layers round differently
+    assert not torch.equal(ranks["pp2_fast"], want) and torch.allclose(ranks["pp2_fast"], want, atol=1e-4)
+
+
+def test_pp2_update_equals_pp1_over_the_same_micro_batches(ranks):
+    pp2, pp1 = ranks["pp2_shares2"], _pp1(2)
+    assert torch.equal(pp2["lp"], pp1["lp"])
+    for k in ("loss", "k1", "k3", "grad_norm"):
+        assert pp2["metrics"][k] == pp1["metrics"][k], k
+    assert _same(pp2["grads"], pp1["grads"])
+    assert _same(pp2["weights"], pp1["weights"]) and _same(pp2["mirror"], pp2["weights"])
+    # negative control: one micro-batch (the whole batch in one backward) sums the rows in another order
+    one = ranks["pp2_shares1"]
+    assert not _same(one["grads"], pp2["grads"])
+    assert all(torch.allclose(one["grads"][k], v, atol=1e-6) for k, v in pp2["grads"].items())
+    assert _same(one["grads"], _pp1(1)["grads"])
+
+
+def test_tied_embeddings_across_stages_equal_pp1(ranks):
+    pp2, pp1 = ranks["pp2_tied"], _pp1(2, tie_word_embeddings=True)
+    assert "lm_head.weight" not in pp2["grads"]
+    assert _same(pp2["grads"], pp1["grads"]) and _same(pp2["weights"], pp1["weights"])
+
+
+def _builtin_draft() -> dict:
+    mirror = model()
+    with ops.use_kernels("consistent"):
+        lrn = Learner(mirror, 1e-3, 1.0, 1.0, "reinforce_zero", "unclipped", {})
+        lrn.add_aux_loss(draft(mirror))
+        metrics, _ = lrn.rl_step(*rl_batch())
+    return dict(draft=lrn.draft.shipped(), loss=metrics["draft_loss"])
+
+
+def test_the_draft_trains_on_the_megatron_learner_as_on_the_builtin_one(ranks, monkeypatch):
+    want = _builtin_draft()["draft"]
+    assert _same(_pp1(2, with_draft=True)["draft"], want)
+    assert _same(ranks["pp2_shares2"]["draft"], want)  # features of layers 2, 3 and the final norm crossed stages
+    assert _same(ranks["tp2_draft"]["draft"], want)
+    # negative control: each micro-batch's features delivered as the other's
+    real = TapChannel.take
+    monkeypatch.setattr(TapChannel, "take", lambda self, mb, n, like: real(self, 1 - mb, n, like))
+    assert not _same(_pp1(2, with_draft=True)["draft"], want)
+
+
+def test_train_cli_pp2_with_a_cotrained_draft_has_zero_kernel_mismatch(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "nemo_rz.train", "task.name=add1", "warmup.steps=20", "algo.prompts_per_update=4",
+           "algo.group_size=4", "algo.updates=2", "eval.n=8", "eval.every=2", "model.hidden_size=32",
+           "model.intermediate_size=64", "progress=false", "metrics.tensorboard=false", "metrics.decomposition_every=1",
+           "runtime.learner=megatron", "megatron.pp=2", "draft.mode=cotrain", f"run_dir={run}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["kernel_diff_tokens"] == 0 for r in rows)
+    assert all("draft_loss" in r for r in rows)
+
