@@ -99,6 +99,13 @@ def main(out: str) -> None:
     got["short_tokens_here"] = gather_parts(torch.tensor([ring.ZigzagShard([0, 20], 2, rank).index.shape[0]]))
     short_lp, short_grads = grads(p, *short)
     got["short_lp"], got["short_grads"] = gather_parts(short_lp), short_grads
+    # A tap of layer 0's output (what an auxiliary loss reads), put back in the batch's rows on every rank.
+    tapped = []
+    hook = p.gpt.decoder.layers[0].register_forward_hook(lambda _m, _a, out: tapped.append(p.context.batch_rows(out[0])))
+    with torch.no_grad():
+        p.token_logprobs(ids, lengths)
+    hook.remove()
+    got["layer0_rows"] = gather_parts(tapped[0])
     mask = torch.rand(len(LENGTHS), max(LENGTHS) - 1, generator=torch.Generator().manual_seed(5)) < 0.5
     with torch.no_grad():
         got["masked_lp"] = p.token_logprobs(ids, lengths, mask=mask)

@@ -69,6 +69,15 @@ def test_cp2_logprobs_equal_cp1_and_the_decoder_bit_for_bit(ranks):
     short = ids[:1, :20]
     assert ranks["short_tokens_here"].view(-1).tolist() == [20, 0]
     assert all(torch.equal(lp, model().token_logprobs(short, torch.tensor([20]))) for lp in ranks["short_lp"])
+    # A tap of layer 0 (an auxiliary loss's features): on every rank the rows cp = 1's dense forward computes.
+    p, out = policy(model()), []
+    hook = p.gpt.decoder.layers[0].register_forward_hook(lambda _m, _a, o: out.append(o[0].detach().transpose(0, 1)))
+    with torch.no_grad():
+        p.token_logprobs(ids, lengths)
+    hook.remove()
+    valid = (torch.arange(max(LENGTHS))[None, :] < lengths[:, None]).reshape(-1, 1)
+    dense = torch.where(valid, out[0].reshape(-1, out[0].shape[-1]), 0.0)
+    assert all(torch.equal(rows, dense) for rows in ranks["layer0_rows"])
     mask = torch.rand(len(LENGTHS), max(LENGTHS) - 1, generator=torch.Generator().manual_seed(5)) < 0.5
     assert torch.equal(ranks["masked_lp"], torch.where(mask, want, 0.0))
     # Negative controls: the ring's partials in arrival order; Megatron's own layers at cp = 1.

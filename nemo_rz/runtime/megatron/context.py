@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from nemo_rz.models.decoder import Tokens, packed_rows, prepared
-from nemo_rz.parallel.context import check_model, cp_token_logprobs, tree_reduce
+from nemo_rz.parallel.context import ZigzagShard, check_model, cp_token_logprobs, tree_reduce
 from nemo_rz.parallel.tensor import gather_last
 from nemo_rz.runtime.megatron import layers
 
@@ -72,6 +72,7 @@ class ContextParallel:
             raise ValueError(f"megatron.cp = {cp} with megatron.pp = {pp}: context parallelism does not run inside "
                              "the pipeline schedule yet; use megatron.cp=1 or megatron.pp=1")
         self.policy, self.group, self.config = policy, cp_group, policy.config
+        self.forward_layout = None  # (shard, packed rows, B, T) of the forward running (batch_rows)
         self.params = [p for p in policy.parameters() if p.requires_grad]
 
     # -- cp_token_logprobs' model ------------------------------------------------------------------------
@@ -106,12 +107,24 @@ class ContextParallel:
                              f"[{b}, {length}] input_ids; pass each sequence's token count")
         rows = packed_rows(lengths, length)
         cu = [0, *torch.cumsum(lengths, 0).tolist()]
+        self.forward_layout = (ZigzagShard(cu, dist.get_world_size(self.group), dist.get_rank(self.group)), rows, b, length)
         local, shard = cp_token_logprobs(self, input_ids.reshape(-1)[rows], cu, self.group, temperature)
         whole = shard.gather(local.detach(), self.group)  # the packed row's logprobs, 0 at each sequence's last token
         out = whole.new_zeros(b * length).index_copy(0, rows, whole).view(b, length)[:, :-1]
         if torch.is_grad_enabled() and local.requires_grad:
             out = _Reduced.apply([local, shard.index, rows], self, out, *self.params)
         return out
+
+
+    def batch_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A layer's output of this rank's tokens in the forward running (Megatron's [n, 1, hidden]) as the whole
+        batch's rows [B * T, hidden] in the Decoder's order, zero rows at padding (what a tap of the dense cp = 1
+        forward gives after aux_loss.padded), on every rank: a collective of the group, so every rank calls it
+        for the same layer. Bits copied: a token's row is the one cp = 1 computes."""
+        shard, rows, b, length = self.forward_layout
+        local = x.detach().reshape(-1, x.shape[-1])[: shard.index.shape[0]]  # (a rank without tokens ran a stand-in)
+        whole = shard.gather(local, self.group)
+        return whole.new_zeros(b * length, whole.shape[-1]).index_copy(0, rows, whole)
 
 
 def _stand_in(t: Tokens) -> Tokens:
