@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from nemo_rz.kernels import cpu as cpu_kernels
 from nemo_rz.models import Decoder, load_hf, save_hf
 from nemo_rz.models.layers import Linear
 from nemo_rz.ops import weight_cache
@@ -59,12 +60,33 @@ def test_float32_linears_keep_no_copy_and_give_the_same_bits():
     assert _copies(usual) == len(_linears(usual))  # negative control: a [N, K] weight makes its [K, N] copy
 
 
-def test_bfloat16_weights_still_get_their_float32_copy():
+def test_bfloat16_weights_are_read_as_stored():
+    """A bfloat16 weight in the layout goes to the C++ rows_mm kernel (tests/test_bf16.py): no float32 copy, the
+    same bits as the usual layout's copy. Negative control: the usual [N, K] weight still makes its copy."""
     model, usual = _pair(dtype="bfloat16")
     ids = torch.randint(0, 48, (2, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(model.token_logprobs(ids), usual.token_logprobs(ids))
-    assert _copies(model) == len(_linears(model))
+        assert torch.equal(model.token_logprobs(ids[:1]), usual.token_logprobs(ids[:1]))
+    assert _copies(model) == (0 if cpu_kernels.available() else len(_linears(model)))
+    assert _copies(usual) == len(_linears(usual))
+
+
+def test_a_tied_embedding_is_its_own_lm_head_operand():
+    """With tied embeddings the embedding is laid out as a Linear weight: the LM head reads it with no copy, and
+    lookups, logprobs and state dicts are those of the usual contiguous embedding. Negative control: the usual
+    embedding makes its [K, N] copy."""
+    model = tiny_model(tie_word_embeddings=True)
+    usual = tiny_model(tie_word_embeddings=True)
+    emb = usual.model.embed_tokens
+    emb.weight = torch.nn.Parameter(emb.weight.detach().contiguous())
+    usual.load_state_dict(model.state_dict())
+    assert _in_layout(model.head_weight) and model.head_weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, 48, (3, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(model.token_logprobs(ids), usual.token_logprobs(ids))
+    assert weight_cache.ATTR not in model.head_weight.__dict__
+    assert "gemm.t" in usual.head_weight.__dict__[weight_cache.ATTR]
 
 
 def test_adam_steps_are_bitwise_those_of_the_usual_layout():

@@ -19,7 +19,7 @@ from torch import nn
 
 from nemo_rz import ops
 from nemo_rz.models.config import DecoderConfig
-from nemo_rz.models.layers import MLP, Attention, Block, Linear, RMSNorm, block, embed_scale, norm
+from nemo_rz.models.layers import MLP, Attention, Block, Linear, RMSNorm, block, embed_scale, forward_layout, laid_out_like, norm
 from nemo_rz.protocols import KVCacheProtocol
 
 __all__ = ["Attention", "Block", "Decoder", "KVCache", "Linear", "MLP", "RMSNorm", "Tokens", "packed_rows", "prepared",
@@ -155,6 +155,9 @@ class Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.torch_dtype)
         nn.init.normal_(self.embed_tokens.weight, std=0.02)
+        if cfg.tie_word_embeddings:  # also the LM head: in the Linear weight layout, its own GEMM operand (no copy)
+            self.embed_tokens.weight = nn.Parameter(laid_out_like(self.embed_tokens.weight, forward_layout(
+                cfg.vocab_size, cfg.hidden_size, cfg.torch_dtype), cfg.torch_dtype))
         self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
         self.norm = norm(cfg)
 

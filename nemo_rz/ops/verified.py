@@ -48,8 +48,9 @@ BMM_ROWS = (4, 8, 16, 32)  # per-matrix row counts a batched product may be call
 ROWWISE_CHUNKS = (4096, 2048, 1024, 512, 256, 128, 64, 32)
 ROWWISE_ELEMENTS = 1 << 22  # the most elements in one row-wise chunk
 # A loaded route's check: one reference call of its chunk (or of as many rows as this many multiply-adds allow,
-# at least CHECK_MIN_ROWS), then calls of fewer rows while their cost stays within it.
-CHECK_MACS = 1 << 27
+# at least CHECK_MIN_ROWS), then calls of fewer rows (the first always, the others while their cost stays within
+# it): a few ms a shape, so that the checks of a model's routes stay a small part of a process's first forward.
+CHECK_MACS = 1 << 20
 CHECK_MIN_ROWS = 8
 
 _ALIGN = 64  # bytes: the CPU allocator's alignment; a view off it is copied, so the library sees what the probe saw
@@ -187,6 +188,17 @@ def route_holds(make_fn: Callable[[], Callable[[torch.Tensor], torch.Tensor]], r
     return not failing_rows(make_fn(), _varied(top, features, 4.0, dtype, device), counts)
 
 
+def check_operand(operand: Callable[[], torch.Tensor] | None, k: int, n: int, dtype, device) -> torch.Tensor:
+    """The [k, n] matrix a loaded GEMM route's check multiplies: the caller's operand where it is one (contiguous,
+    aligned, of this dtype and device, with at least two distinct values in its first row: a constant matrix
+    would hide another summation order), else varied values made for the check."""
+    w_t = operand() if operand is not None else None
+    if (w_t is not None and tuple(w_t.shape) == (k, n) and w_t.dtype == dtype and w_t.device == torch.device(device)
+            and w_t.is_contiguous() and w_t.data_ptr() % _ALIGN == 0 and n > 1 and bool((w_t[0] != w_t[0, 0]).any())):
+        return w_t
+    return _varied(k, n, k ** -0.5, dtype, device)
+
+
 def _on_cpu(device, check: Callable[[object], bool]) -> Callable[[object], bool] | None:
     """`check` for a CPU probe; None (not kept on disk: the machine key describes no GPU) for other devices."""
     return check if torch.device(device).type == "cpu" else None
@@ -204,8 +216,12 @@ def _route(fn: Callable[[torch.Tensor], torch.Tensor], features: int, dtype, dev
     return None
 
 
-def matmul_route(k: int, n: int, dtype: torch.dtype, device) -> Route | None:
-    """How torch.mm(x, w_t), x [M, k], w_t a contiguous [k, n], is row-invariant here (None: it is not)."""
+def matmul_route(k: int, n: int, dtype: torch.dtype, device,
+                 operand: Callable[[], torch.Tensor] | None = None) -> Route | None:
+    """How torch.mm(x, w_t), x [M, k], w_t a contiguous [k, n], is row-invariant here (None: it is not).
+
+    `operand`: the caller's own [k, n] operand (a model weight), which a loaded route's check multiplies instead
+    of building a [k, n] matrix of its own (for an LM head, 113 MB of fresh memory: most of the check's cost)."""
 
     def probe() -> Route | None:
         g = torch.Generator().manual_seed(n)
@@ -213,7 +229,7 @@ def matmul_route(k: int, n: int, dtype: torch.dtype, device) -> Route | None:
         return _route(lambda x: torch.mm(x, w_t), k, dtype, device)
 
     def product():
-        w_t = _varied(k, n, k ** -0.5, dtype, device)
+        w_t = check_operand(operand, k, n, dtype, device)
         return lambda x: torch.mm(x, w_t)
 
     check = _on_cpu(device, lambda route: route_holds(product, route, k, dtype, device, k * n, CHUNK_ROWS))

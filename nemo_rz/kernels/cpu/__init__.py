@@ -9,6 +9,9 @@ line for a failed build) and callers keep their pure-torch route.
 - `matvec(x, w_t)`: x [1, K] @ w_t [K, N] (float32, w_t contiguous) in a fixed order (matvec.cpp), which is the
   order MKL's single-thread GEMM gives each row of a product of two or more rows here. Whether it is, on a given
   machine and shape, is for the caller to probe (ops/gemm.py does).
+- `rows_mm(x, w_t)`: x [M, K] float32 @ w_t [K, N] (float32 or bfloat16, contiguous) with every row in that same
+  order, whatever M: a bfloat16 weight is read as it is stored (half the bytes of a float32 copy) and gives the
+  bits of its exact float32 widening; rows share each pass over the weight, up to 8 at a time.
 """
 from __future__ import annotations
 
@@ -70,7 +73,7 @@ def _load() -> str | None:
         here = Path(__file__).resolve().parent
         cpp_extension.load(f"nemo_rz_cpu_{tag}", [str(here / s) for s in _SOURCES], extra_cflags=list(_FLAGS),
                            build_directory=str(where), is_python_module=False, verbose=False)
-        torch.ops.nemo_rz_cpu.matvec  # noqa: B018 (the op is registered)
+        torch.ops.nemo_rz_cpu.matvec, torch.ops.nemo_rz_cpu.rows_mm  # noqa: B018 (the ops are registered)
     except Exception as e:  # a missing ninja, a compiler error, an unwritable cache: the pure-torch route stays
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         warnings.warn(f"nemo_rz: C++ CPU kernels unavailable ({first}); using the pure-torch routes "
@@ -100,3 +103,9 @@ def matvec(x: torch.Tensor, w_t: torch.Tensor, block: int = MKL_BLOCK, simd: boo
     blocks (another block size is another order); simd=False runs the scalar loop that CPUs without AVX-512
     run. Call only where `available()`."""
     return torch.ops.nemo_rz_cpu.matvec(x, w_t, block, simd)
+
+
+def rows_mm(x: torch.Tensor, w_t: torch.Tensor, block: int = MKL_BLOCK, simd: bool = True) -> torch.Tensor:
+    """x [M, K] float32 @ w_t [K, N] (float32 or bfloat16) -> [M, N] float32 on CPU, each row in matvec's order
+    (the bits of matvec on that row and w_t widened to float32). Call only where `available()`."""
+    return torch.ops.nemo_rz_cpu.rows_mm(x, w_t, block, simd)
