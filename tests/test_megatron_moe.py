@@ -143,13 +143,17 @@ def test_moe_refusals_are_one_line(monkeypatch):
 
     with pytest.raises(ValueError, match="megatron.ep = 2: .*raise megatron.dp"):
         Layout(ep=2)  # ep splits experts over the dp x cp ranks: it adds no process
-    groups = type("Groups", (), {"ep": "ep", "tp": "tp"})()  # the sizes below stand for 2-rank groups
-    layer = moe.spec(moe_model(0).config, 0)
-    for sizes, what in (({"ep": 3, "tp": 1}, "megatron.ep = 3 does not divide model num_experts = 4"),
-                        ({"ep": 1, "tp": 2}, "megatron.tp = 2 with a mixture of experts.*use megatron.tp=1")):
-        monkeypatch.setattr(moe.dist, "get_world_size", sizes.get)
+    cfg = moe_model(0).config
+    moe.check_layout(cfg, 2, 1, fast=False)
+    for (ep, tp, fast), what in (((3, 1, False), "megatron.ep = 3 does not divide model num_experts = 4"),
+                                 ((1, 2, False), "megatron.tp = 2 with a mixture of experts.*use megatron.tp=1"),
+                                 ((2, 1, True), "megatron.ep = 2: the fast kernels.*kernels=consistent")):
         with pytest.raises(ValueError, match=what):
-            layer(config=None, pg_collection=groups)
+            moe.check_layout(cfg, ep, tp, fast)
+    # the layer's own check (what the spec checks when Megatron's groups exist): a stand-in 2-rank group
+    monkeypatch.setattr(moe.dist, "get_world_size", {"ep": 1, "tp": 2}.get)
+    with pytest.raises(ValueError, match="megatron.tp = 2 with a mixture of experts"):
+        moe.MoE(config=None, submodules=None, pg_collection=type("Groups", (), {"ep": "ep", "tp": "tp"})(), model_config=cfg)
 
 
 def _update(model) -> list[torch.Tensor]:

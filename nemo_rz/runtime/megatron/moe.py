@@ -88,12 +88,31 @@ def spec(cfg: DecoderConfig, layer: int, fast: bool = False) -> type:
     """Layer `layer`'s MLP, a mixture of experts: nemo-rz's arithmetic behind Megatron's MoELayer interfaces
     (consistent), or Megatron's stock MoE layer (fast). A module class with its submodules bound (a ModuleSpec
     of a MoELayer subclass would make Megatron's TransformerLayer warn about an unknown MLP type)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():  # refused here, before Megatron wraps the error in its own words
+        check_layout(cfg, parallel_state.get_expert_model_parallel_world_size(),
+                     parallel_state.get_tensor_model_parallel_world_size(), fast)
     if fast:
         stock = get_moe_module_spec(use_te=False, num_experts=cfg.num_experts, moe_grouped_gemm=False).submodules
-        return _bound(FastMoE, submodules=dataclasses.replace(stock, router=FastRouter, shared_experts=None))
+        return _bound(FastMoE, submodules=dataclasses.replace(stock, router=FastRouter, shared_experts=None),
+                      model_config=cfg)
     experts = ModuleSpec(module=EXPERTS[cfg.moe_kind], params={"model_config": cfg})
     router = _bound(Router, model_config=cfg)
     return _bound(MoE, submodules=MoESubmodules(experts=experts, router=router), model_config=cfg)
+
+
+def check_layout(cfg: DecoderConfig, ep: int, tp: int, fast: bool) -> None:
+    """The expert- and tensor-parallel sizes a mixture of experts is built for, refused in one line where not."""
+    if cfg.num_experts % ep:
+        raise ValueError(f"megatron.ep = {ep} does not divide model num_experts = {cfg.num_experts}; "
+                         "choose an ep that divides it")
+    if tp > 1:
+        raise ValueError(f"megatron.tp = {tp} with a mixture of experts: the Megatron learner splits experts over "
+                         "megatron.ep, not their features; use megatron.tp=1")
+    if fast and ep > 1:
+        raise ValueError(f"megatron.ep = {ep}: the fast kernels' stock MoE layer runs its experts on one rank here; "
+                         "use kernels=consistent or megatron.ep=1")
 
 
 def _bound(cls: type, **params) -> type:
@@ -235,13 +254,7 @@ class MoE(MoELayer, decoder_moe._Routed):
     def __init__(self, config, submodules: MoESubmodules, layer_number: int | None = None, pg_collection=None,
                  model_config: DecoderConfig | None = None):
         pg = pg_collection or get_default_pg_collection()
-        ep, tp = dist.get_world_size(pg.ep), dist.get_world_size(pg.tp)
-        if model_config.num_experts % ep:
-            raise ValueError(f"megatron.ep = {ep} does not divide model num_experts = {model_config.num_experts}; "
-                             "choose an ep that divides it")
-        if tp > 1:
-            raise ValueError(f"megatron.tp = {tp} with a mixture of experts: the Megatron learner splits experts over "
-                             "megatron.ep, not their features; use megatron.tp=1")
+        check_layout(model_config, dist.get_world_size(pg.ep), dist.get_world_size(pg.tp), fast=False)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg)
         self.token_dispatcher = ExpertOrderDispatcher(self.num_local_experts, self.local_expert_indices, config, pg)
 
@@ -282,10 +295,8 @@ class FastRouter(TopKRouter):
 class FastMoE(MoELayer):
     """Megatron's stock MoELayer; expert parallelism only in the consistent layer."""
 
-    def __init__(self, config, submodules: MoESubmodules, layer_number: int | None = None, pg_collection=None):
+    def __init__(self, config, submodules: MoESubmodules, layer_number: int | None = None, pg_collection=None,
+                 model_config: DecoderConfig | None = None):
         pg = pg_collection or get_default_pg_collection()
-        for axis, group in (("ep", pg.ep), ("tp", pg.tp)):
-            if dist.get_world_size(group) > 1:
-                raise ValueError(f"megatron.{axis} = {dist.get_world_size(group)}: the fast kernels' stock MoE layer runs "
-                                 f"on one rank here; use kernels=consistent or megatron.{axis}=1")
+        check_layout(model_config, dist.get_world_size(pg.ep), dist.get_world_size(pg.tp), fast=True)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg)
