@@ -342,6 +342,10 @@ def test_swap_loss_on_both_tuple_shapes():
 STANDIN = {
     "nemo_rl/__init__.py": "",
     "nemo_rl/algorithms/__init__.py": "",
+    "nemo_rl/models/__init__.py": "",
+    "nemo_rl/models/megatron/__init__.py": "",
+    # main from 2026-08-11 (the driver reads this file to see that it merges the provider overrides)
+    "nemo_rl/models/megatron/setup.py": "model_overrides = None  # policy.megatron_cfg.model_overrides\n",
     "nemo_rl/algorithms/loss/interfaces.py": """
         import enum
 
@@ -413,7 +417,10 @@ STANDIN = {
             loss, metrics = fn(data=data, global_valid_seqs=torch.tensor(float(b)),
                                global_valid_toks=token_mask[:, 1:].sum(), next_token_logprobs=lp)
             policy_cfg = master_config["policy"] if V06 else master_config.policy
+            spec = ((policy_cfg.get("megatron_cfg") or {}).get("model_overrides") or {}).get("transformer_layer_spec")
+            spec = pickle.loads(pickle.dumps(spec))  # as Ray ships the policy config to the Megatron workers
             OUT.write_text(json.dumps({
+                "layer_spec": None if spec is None else f"{spec.__module__}.{spec.__qualname__}",
                 "loss_fn": type(loss_fn).__name__, "correction": fn.correction, "params": fn.params,
                 "loss_type": [type(fn.loss_type).__module__, fn.loss_type.value], "loss": loss.item(),
                 "metrics": sorted(metrics),
@@ -426,12 +433,12 @@ STANDIN = {
 
         from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
 
-        def load(path):  # NeMo RL's load_config: `defaults` (one path or a list) merged first, in order
-            cfg = OmegaConf.load(path)
+        def load(path):  # NeMo RL's load_config: `defaults` (one path or a list, relative to the file) merged
+            cfg = OmegaConf.load(path)  # first, in order
             parents = cfg.pop("defaults", [])
             base = OmegaConf.create({})
             for parent in [parents] if isinstance(parents, str) else parents:
-                base = OmegaConf.merge(base, load(parent))
+                base = OmegaConf.merge(base, load(os.path.join(os.path.dirname(path), parent)))
             return OmegaConf.merge(base, cfg)
 
         def main():
@@ -483,6 +490,23 @@ def test_driver_runs_nemo_rl_entry_point_with_our_loss(standin, tmp_path, versio
     assert result["loss_type"] == ["nemo_rl.algorithms.loss.interfaces", "sequence_level"]
     assert torch.isfinite(torch.tensor(result["loss"])) and {"is_dev", "gen_kl_error"} <= set(result["metrics"])
     assert result["hf_overrides"]["nemo_rz_architecture"] == "Qwen2ForCausalLM"
+
+
+def test_driver_runs_the_megatron_override_with_nemo_rzs_layer_spec(standin, tmp_path):
+    """megatron_consistent.yaml through the driver: the spec string reaches NeMo RL's setup as the function, and
+    survives pickling; without the converted checkpoint the driver stops before setup."""
+    pytest.importorskip("megatron.core")
+    rz = str(KIT / "megatron_consistent.yaml")
+    proc, result = run_driver(tmp_path, "--rz-config", rz, "policy.pretrained_checkpoint.path=/ckpt/iter_0000000",
+                              pythonpath=str(standin))
+    assert proc.returncode == 0, proc.stderr
+    assert result["loss_fn"] == "ReinforceZeroLossFn"
+    assert result["layer_spec"] == "nemo_rz.runtime.megatron.bridge.consistent_layer_spec"
+    bad = tmp_path / "no_checkpoint"
+    bad.mkdir()
+    proc, result = run_driver(bad, "--rz-config", rz, pythonpath=str(standin))
+    assert proc.returncode == 2 and result is None and not (bad / "setup_ran").exists()
+    assert "policy.pretrained_checkpoint.path = None" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_driver_refuses_a_bad_config_before_nemo_rl_starts_workers(standin, tmp_path):

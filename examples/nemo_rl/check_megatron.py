@@ -10,7 +10,11 @@ the same tokens and weights. It prints, of the predicted tokens, how many logpro
   ColumnParallelLinear as the output layer);
 - `... + NeMo RL's log-softmax`: those logits through NeMo RL's own logprob recipe at TP=1 (float32 logits, max
   subtracted, exp-sum, log: nemo_rl/distributed/model_utils.py, DistributedLogprob), what NeMo RL's Megatron
-  policy hands the loss: the mismatch the importance weights still see inside NeMo RL.
+  policy hands the loss: the mismatch the importance weights still see inside NeMo RL;
+- `Megatron's local spec + NeMo RL's log-softmax`: the baseline without nemo-rz's spec, Megatron's own local layers
+  (its linears, torch RMSNorm, DotProductAttention; RoPE through ops.rope, as Megatron's rotary table needs CUDA)
+  and NeMo RL's log-softmax, dense layout (Megatron's local attention takes no thd batch). NeMo RL's stock spec is
+  Transformer Engine's, which needs CUDA; where it runs, its mismatch is what NeMo RL's token_mult_prob_error shows.
 
     python examples/nemo_rl/check_megatron.py /path/to/hf_checkpoint [--dtype bfloat16]
 
@@ -54,6 +58,7 @@ def provider_shape():
         rotary_percent: float = 1.0
         rope_scaling: bool = False
         seq_length: int = 1024
+        attention_softmax_in_fp32: bool = False
         share_embeddings_and_output_weights: bool = True
         position_embedding_type: str = "learned_absolute"
         parallel_output: bool = True
@@ -163,6 +168,24 @@ def packed(gpt, ids, lengths, multiple: int = 8, params: bool = True, to_logprob
     return out
 
 
+def local_spec_dense(provider, decoder, ids, to_logprobs=nemo_rl_logprobs):
+    """The baseline: Megatron's local layers (spec.block_spec fast) with decoder's weights, dense layout."""
+    import torch
+
+    from nemo_rz.models.decoder import Tokens, prepared
+    from nemo_rz.runtime.megatron import layers, spec
+
+    local = dataclasses.replace(provider, persist_layer_norm=False, position_embedding_type="none")
+    gpt = build(local, spec.block_spec(decoder.config, fast=True), decoder)
+    b, s = ids.shape
+    dev = ids.device
+    t = Tokens(torch.zeros(0, dtype=torch.long, device=dev), torch.arange(s, device=dev).repeat(b),
+               torch.arange(b, device=dev).repeat_interleave(s), None, (b, s))
+    params = layers.TokenParams(tokens=prepared(decoder.config, t))  # the forward's tokens, for ops.rope
+    mask = torch.ones(s, s, dtype=torch.bool, device=dev).triu(1)[None, None]
+    return to_logprobs(gpt(ids, torch.arange(s, device=dev).expand(b, s), mask, packed_seq_params=params), ids)
+
+
 def provider_for(path: Path, dtype: str):
     """(provider, where it came from): Megatron-Bridge's AutoBridge if it imports, else provider_from_hf."""
     import torch
@@ -202,6 +225,9 @@ def check(path: Path, dtype: str, provider, rows: int, length: int, seed: int = 
                          ("consistent spec, stock output layer, packed", packed(gpt, ids, lengths)),
                          ("... + NeMo RL's log-softmax, packed", packed(gpt, ids, lengths, to_logprobs=nemo_rl_logprobs))):
             out[name] = (int((lp[ok] != want[ok]).sum()), int(ok.sum()), float((lp[ok] - want[ok]).abs().max()))
+        lp = local_spec_dense(provider, decoder, ids)
+        out["Megatron's local spec + NeMo RL's log-softmax, dense"] = (
+            int((lp[ok] != want[ok]).sum()), int(ok.sum()), float((lp[ok] - want[ok]).abs().max()))
         bridge.consistent_output_layer([gpt])
         for name, lp in (("consistent spec + output hook, dense", dense(gpt, ids)),
                          ("consistent spec + output hook, packed", packed(gpt, ids, lengths))):
