@@ -4,6 +4,7 @@ others; ops.linear gives a row the same bits alone and in batches of 2, 8 and 64
 another order away; NEMO_RZ_CPP=0 and a failed build leave the pure-torch route, with at most one warning."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import torch
 
 from nemo_rz import ops
 from nemo_rz.kernels import cpu as cpu_kernels
-from nemo_rz.ops import gemm
+from nemo_rz.ops import gemm, probe_cache, verified
 from nemo_rz.ops.verified import one_thread
 
 # SmolLM2-135M: q/o (576->576), k/v (576->192), gate/up (576->1536), down (1536->576), LM head (576->49152);
@@ -95,15 +96,53 @@ def test_negative_control_other_orders_differ(k, n):
 
 
 @needs_cpp
-def test_negative_control_probe_rejects_reordered_kernel(monkeypatch):
+def test_negative_control_probe_rejects_reordered_kernel(monkeypatch, tmp_path):
     """A kernel in another order (256-row blocks) fails the probe, and ops.linear keeps the padded GEMM."""
     k, n = 576, 1536
+    _fresh_cache(monkeypatch, tmp_path)  # (so that the probe runs, not a stored answer)
     monkeypatch.setattr(cpu_kernels, "build_tag", lambda: "reordered-256")
     matvec = cpu_kernels.matvec
     monkeypatch.setattr(cpu_kernels, "matvec", lambda x, w_t: matvec(x, w_t, block=256))
     assert not gemm.matvec_verified(k, n, _route(k, n))
     x, weight = _case(k, n, rows=8)
     assert torch.equal(ops.linear(x[:1], weight), ops.linear(x, weight)[:1])
+
+
+def _fresh_cache(monkeypatch, directory):
+    """A new process's view with an empty probe cache in `directory`."""
+    monkeypatch.setenv("NEMO_RZ_CACHE_DIR", str(directory))
+    monkeypatch.delenv("NEMO_RZ_PROBE_CACHE", raising=False)
+    monkeypatch.setattr(verified, "_ENABLED", True)
+    monkeypatch.setattr(verified, "_RESULTS", {})
+    monkeypatch.setattr(probe_cache, "_files", {})
+    monkeypatch.setattr(probe_cache, "_warned", False)
+
+
+@needs_cpp
+def test_the_answer_is_kept_on_disk_and_checked_on_load(monkeypatch, tmp_path, capfd):
+    """A later process reads the probe's answer (one checked row instead of MATVEC_PROBE_ROWS). Negative control:
+    with the kernel reordered under the same build tag, the stored True fails its check, the probe runs again and
+    says no."""
+    k, n = 576, 1536
+    _fresh_cache(monkeypatch, tmp_path)
+    route = _route(k, n)
+    calls = []
+    matvec = cpu_kernels.matvec
+    monkeypatch.setattr(cpu_kernels, "matvec", lambda x, w_t, block=cpu_kernels.MKL_BLOCK: calls.append(1) or matvec(x, w_t, block))
+    assert gemm.matvec_verified(k, n, route) and len(calls) == gemm.MATVEC_PROBE_ROWS
+    stored = json.loads(next(tmp_path.glob("probes-*.json")).read_text())["entries"]
+    assert [v for name, v in stored.items() if json.loads(name)[0] == "matvec"] == [True]
+
+    monkeypatch.setattr(verified, "_RESULTS", {})
+    monkeypatch.setattr(probe_cache, "_files", {})
+    calls.clear()
+    assert gemm.matvec_verified(k, n, route) and len(calls) == 1
+
+    monkeypatch.setattr(verified, "_RESULTS", {})
+    monkeypatch.setattr(probe_cache, "_files", {})
+    monkeypatch.setattr(cpu_kernels, "matvec", lambda x, w_t: matvec(x, w_t, block=256))
+    assert not gemm.matvec_verified(k, n, route)
+    assert "fails its check" in capfd.readouterr().err
 
 
 _FALLBACK = """
