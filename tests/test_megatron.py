@@ -119,6 +119,10 @@ def test_precision_recipe_tp1_logprobs_equal_the_builtin_decoder_bit_for_bit(rec
     assert not torch.equal(plain, want)  # negative control: the recipe changes the logprobs
     got = megatron_precision.apply_precision(p, recipe).token_logprobs(ids, lengths)
     assert torch.equal(got, want)
+    # the same quantized weights: layer 0's fused q/k/v values are the Decoder's q, k and v values, fused
+    attn = model.model.layers[0].self_attn
+    qkv = convert.fuse_qkv(*(getattr(attn, f"{n}_proj").quantized_weight()[1] for n in "qkv"), model.config)
+    assert torch.equal(p.gpt.decoder.layers[0].self_attention.linear_qkv.product.values(), qkv)
     got.sum().backward()  # straight-through to the master weights
     assert all(torch.isfinite(q.grad).all() for q in p.gpt.parameters() if q.grad is not None)
 
