@@ -123,12 +123,6 @@ def _bound(cls: type, **params) -> type:
     return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": __name__, "__qualname__": cls.__qualname__})
 
 
-def _ep_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_expert_model_parallel_group()
-
-
 # -- consistent ----------------------------------------------------------------------------------------
 class Router(TopKRouter):
     """The Decoder's routing behind Megatron's router interface: (probs [N, E], routing_map [N, E]) for the
