@@ -279,3 +279,36 @@ def test_short_training_run_with_the_vllm_backend(tmp_path):
     assert summary["produced"] == summary["trained"] == 3 * 16
     assert [r["lag"] for r in rows] == [0, 1, 1]
     assert all(r["kernel_diff_tokens"] == 0 for r in rows)
+
+
+def test_paged_cache_views_follow_the_cache_tensors():
+    """The model keeps its views of vLLM's cache tensors across steps (PagedLayers) and makes new ones when vLLM
+    hands over other tensors: keys and values written through PagedKVCache land in the tensors of this step and
+    are read back at their slots. Negative control: views kept from a re-allocated cache reach the old tensor,
+    which is why the key (storage, shape, dtype of each layer) decides."""
+    from nemo_rz.generation.vllm.attention import NemoRZAttentionMetadata, PagedKVCache, PagedLayers
+
+    blocks, kv_heads, block_size, d = 4, 2, 32, 8
+    old = [torch.zeros(blocks, kv_heads, block_size, 2 * d) for _ in range(2)]
+    new = [torch.zeros_like(t) for t in old]
+    slots = torch.tensor([5, 70])  # block 0 offset 5, block 2 offset 6
+    md = NemoRZAttentionMetadata(num_tokens=2, num_reqs=2, seq_idx=torch.arange(2), positions=torch.tensor([5, 6]),
+                                 block_table=torch.tensor([[0, 1], [2, 3]]), slot_mapping=slots, block_size=block_size)
+    views = PagedLayers(old)
+    assert views.key == PagedLayers.key_of(old) and views.key != PagedLayers.key_of(new)
+    k, v = torch.randn(2, kv_heads, d), torch.randn(2, kv_heads, d)
+    cache = PagedKVCache(PagedLayers(new), md)
+    cache.write(1, k, v)
+    keys, values, table = cache.view(1)
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(keys[s // block_size, :, s % block_size], k[i])
+        assert torch.equal(values[s // block_size, :, s % block_size], v[i])
+    pages = new[1].view(blocks, kv_heads, 2, block_size, d)  # each (block, head) page: keys, then values
+    assert torch.equal(pages[0, :, 0, 5], k[0]) and torch.equal(pages[2, :, 1, 6], v[1])
+    assert torch.equal(table, md.block_table) and not new[0].any()
+    before = new[1].clone()
+    stale = PagedKVCache(views, md)  # the negative control: views of the old tensors
+    stale.write(1, 2 * k, 2 * v)
+    assert torch.equal(old[1].view_as(pages)[0, :, 0, 5], 2 * k[0]) and torch.equal(new[1], before)
+    with pytest.raises(RuntimeError, match="cache block size 32 != scheduler block size 64"):
+        PagedKVCache(views, dataclasses.replace(md, block_size=64))

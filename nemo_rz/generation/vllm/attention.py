@@ -130,17 +130,14 @@ class NemoRZAttentionBackend(CPUAttentionBackend):
         return False
 
 
-class PagedKVCache:
-    """`Tokens.cache` over vLLM's per-layer cache tensors for one engine step.
+class PagedLayers:
+    """Views of vLLM's per-layer cache tensors, made once per set of cache tensors (they live as long as the
+    engine): `flat[layer]` [num_blocks * Hkv * 2 * block_size, D] rows for the writes, `k[layer]` / `v[layer]`
+    strided [num_blocks, Hkv, block_size, D] views for `nemo_rz.ops.attention`."""
 
-    write(layer, k, v, t): store the step's keys/values [N, Hkv, D] at their slots;
-    view(layer): (keys, values, block_table) for `nemo_rz.ops.attention`, keys/values as strided views
-    [num_blocks, Hkv, block_size, D] of the layer's cache tensor.
-    """
-
-    def __init__(self, layers: list[torch.Tensor], md: NemoRZAttentionMetadata):
-        self.block_table = md.block_table.clone()  # built under inference mode; a normal tensor from here on
-        self._kv, self.k, self.v = [], [], []
+    def __init__(self, layers: list[torch.Tensor]):
+        self.key = self.key_of(layers)
+        self.flat, self.k, self.v = [], [], []
         for kv in layers:
             if kv.dim() != 4 or not kv.is_contiguous():
                 raise RuntimeError(
@@ -148,14 +145,32 @@ class PagedKVCache:
                     "expected vLLM's CPU layout [num_blocks, num_kv_heads, block_size, 2 * head_dim]"
                 )
             blocks, kv_heads, block_size, two_d = kv.shape
-            if block_size != md.block_size:
-                raise RuntimeError(f"nemo_rz vLLM backend: cache block size {block_size} != scheduler block size {md.block_size}")
             pages = kv.view(blocks, kv_heads, 2, block_size, two_d // 2)
-            self._kv.append(kv.view(-1, two_d // 2))
+            self.flat.append(kv.view(-1, two_d // 2))
             self.k.append(pages[:, :, 0])
             self.v.append(pages[:, :, 1])
-        kv0 = layers[0]
-        _, kv_heads, block_size, _ = kv0.shape
+        _, self.kv_heads, self.block_size, _ = layers[0].shape
+
+    @staticmethod
+    def key_of(layers: list[torch.Tensor]) -> tuple:
+        """Identity of a set of cache tensors: storage, shape and dtype of each (a re-allocated cache gets new views)."""
+        return tuple((kv.data_ptr(), tuple(kv.shape), kv.dtype) for kv in layers)
+
+
+class PagedKVCache:
+    """`Tokens.cache` over vLLM's per-layer cache tensors (a `PagedLayers`) for one engine step.
+
+    write(layer, k, v, t): store the step's keys/values [N, Hkv, D] at their slots;
+    view(layer): (keys, values, block_table) for `nemo_rz.ops.attention`, keys/values as strided views
+    [num_blocks, Hkv, block_size, D] of the layer's cache tensor.
+    """
+
+    def __init__(self, layers: PagedLayers, md: NemoRZAttentionMetadata):
+        if layers.block_size != md.block_size:
+            raise RuntimeError(f"nemo_rz vLLM backend: cache block size {layers.block_size} != scheduler block size {md.block_size}")
+        self.layers = layers
+        self.block_table = md.block_table.clone()  # built under inference mode; a normal tensor from here on
+        kv_heads, block_size = layers.kv_heads, layers.block_size
         slots = md.slot_mapping.clone()
         if bool((slots < 0).any()):
             raise RuntimeError("nemo_rz vLLM backend: a scheduled token has no cache slot (slot -1)")
@@ -167,10 +182,10 @@ class PagedKVCache:
         self._v_rows = self._k_rows + block_size
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, t=None) -> None:
-        flat = self._kv[layer]
+        flat = self.layers.flat[layer]
         d = flat.shape[-1]
         flat.index_copy_(0, self._k_rows, k.reshape(-1, d).to(flat.dtype))
         flat.index_copy_(0, self._v_rows, v.reshape(-1, d).to(flat.dtype))
 
     def view(self, layer: int):
-        return self.k[layer], self.v[layer], self.block_table
+        return self.layers.k[layer], self.layers.v[layer], self.block_table

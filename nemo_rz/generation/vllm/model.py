@@ -29,7 +29,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 
 from nemo_rz import ops
-from nemo_rz.generation.vllm.attention import NemoRZAttentionBackend, PagedKVCache
+from nemo_rz.generation.vllm.attention import NemoRZAttentionBackend, PagedKVCache, PagedLayers
 from nemo_rz.models import families
 from nemo_rz.models.config import DTYPES
 from nemo_rz.models.decoder import Decoder, Tokens
@@ -80,6 +80,7 @@ class NemoRZForCausalLM(nn.Module):
                       cache_config=vllm_config.cache_config, prefix=name, attn_backend=NemoRZAttentionBackend)
             for name in self.layer_names
         )
+        self._paged: PagedLayers | None = None  # views of the cache tensors (_caches)
 
     # -- vLLM model contract (vllm/model_executor/models/interfaces_base.py) ------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -96,12 +97,15 @@ class NemoRZForCausalLM(nn.Module):
             md = md[0] if md else None
         return md.get(self.layer_names[0]) if isinstance(md, dict) else None
 
-    def _caches(self) -> list[torch.Tensor]:
+    def _caches(self) -> PagedLayers:
+        """Views of the layers' cache tensors, made again only when vLLM hands over other tensors."""
         out = []
         for layer in self.kv_layers:
             kv = layer.kv_cache
             out.append(kv[0] if isinstance(kv, (list, tuple)) else kv)
-        return out
+        if self._paged is None or self._paged.key != PagedLayers.key_of(out):
+            self._paged = PagedLayers(out)
+        return self._paged
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
