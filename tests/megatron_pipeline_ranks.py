@@ -1,7 +1,7 @@
 """One rank of the pipeline-parallel Megatron checks in test_megatron_pipeline.py (started by launch.start, 2
 ranks, one launch): PP=2 logprobs through Megatron's schedule in both kernel sets, PP=2 learner updates with 2
-micro-batches (with a co-trained draft fed across stages) and with 1, a tied model at PP=2, and a TP=2 update
-with the draft. Rank 0 saves what it got to argv[1]."""
+micro-batches (with a co-trained draft fed across stages) and with 1, a tied model at PP=2, and TP=2 and DP=2
+updates with the draft. Rank 0 saves what it got to argv[1]."""
 import sys
 
 import torch
@@ -69,6 +69,8 @@ def main(out: str) -> None:
         got["pp2_tied"] = update(Layout(pp=2, grad_shares=2), tie_word_embeddings=True)
         distributed.init(Layout(tp=2))
         got["tp2_draft"] = update(Layout(tp=2), with_draft=True)
+        distributed.init(Layout(dp=2))
+        got["dp2_draft"] = update(Layout(dp=2), with_draft=True)  # rank 1's share's features cross replicas
     if torch.distributed.get_rank() == 0:
         torch.save(got, out)
 

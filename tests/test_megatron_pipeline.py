@@ -3,9 +3,9 @@ Megatron learner (its auxiliary-loss hook).
 
 One launch of 2 ranks (tests/megatron_pipeline_ranks.py) computes: PP=2 logprobs (both kernel sets), PP=2
 updates over 2 micro-batches (with a draft whose aux layers live on both stages) and over 1, a tied model at
-PP=2, and a TP=2 update with the draft. Here, in one process: PP=2 logprobs == PP=1 == the built-in Decoder bit
-for bit; PP=2 loss, logprobs, gradients (gathered to whole weights) and weights after the step == PP=1's with
-the same grad_shares; the draft's weights after one step == the built-in learner's at PP=1, PP=2 and TP=2.
+PP=2, and TP=2 and DP=2 updates with the draft. Here, in one process: PP=2 logprobs == PP=1 == the built-in
+Decoder bit for bit; PP=2 loss, logprobs, gradients (gathered to whole weights) and weights after the step == PP=1's with
+the same grad_shares; the draft's weights after one step == the built-in learner's at PP=1, PP=2, TP=2 and DP=2.
 Negative controls: Megatron's own layers (fast) differ at PP=2; a schedule of 1 micro-batch instead of 2
 changes the gradient bits (and equals PP=1 over 1 share); features routed to the wrong micro-batch change the
 draft. The train CLI at megatron.pp=2 with a co-trained draft trains with zero kernel mismatch.
@@ -117,6 +117,7 @@ def test_the_draft_trains_on_the_megatron_learner_as_on_the_builtin_one(ranks, m
     assert _same(_pp1(2, with_draft=True)["draft"], want)
     assert _same(ranks["pp2_shares2"]["draft"], want)  # features of layers 2, 3 and the final norm crossed stages
     assert _same(ranks["tp2_draft"]["draft"], want)
+    assert _same(ranks["dp2_draft"]["draft"], want)  # the second share's features from the other replica
     # negative control: each micro-batch's features delivered as the other's
     real = TapChannel.take
     monkeypatch.setattr(TapChannel, "take", lambda self, mb, n, like: real(self, 1 - mb, n, like))
