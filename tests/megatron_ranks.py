@@ -1,6 +1,6 @@
 """One rank of the multi-process Megatron checks in test_megatron.py (started by launch.start, 2 ranks):
 TP=2 logprobs in both kernel sets, every dense family's and every precision recipe's TP=2 logprobs (consistent),
-then a DP=2 learner update; rank 0 saves what it got to argv[1]."""
+families over PP=2, then a DP=2 learner update; rank 0 saves what it got to argv[1]."""
 import sys
 
 import torch
@@ -12,6 +12,7 @@ from nemo_rz.generation.packing import Packed
 from nemo_rz.quant.linear import RECIPES
 from nemo_rz.runtime.megatron import distributed
 from nemo_rz.runtime.megatron import precision as megatron_precision
+from nemo_rz.runtime.megatron.data_parallel import DataParallel
 from nemo_rz.runtime.megatron.layout import Layout
 from nemo_rz.runtime.megatron.learner import MegatronLearner
 from nemo_rz.runtime.megatron.model import MegatronPolicy
@@ -43,6 +44,7 @@ FAMILIES["gemma3-bf16"] = ({**FAMILIES["gemma3"][0], "dtype": "bfloat16"}, FAMIL
 FAMILIES["gpt-oss"] = ({**FAMILIES["gpt-oss-attention"][0], "num_experts": 4, "num_experts_per_tok": 2,  # its MoE: moe.py
                         "moe_intermediate_size": 32, "moe_kind": "gpt_oss"}, FAMILIES["gpt-oss-attention"][1])
 TP2_FAMILIES = ("gemma3-bf16", "mistral", "qwen2-window-mix", "gpt-oss-attention")
+PP2_FAMILIES = ("gemma3-bf16", "gpt-oss-attention")  # the embedding scale on stage 0, post norms, sinks
 QUANT_MODEL = dict(qk_norm=False, attention_bias=True, o_proj_bias=True)  # every recipe, TP=1 and TP=2
 
 
@@ -102,6 +104,14 @@ def main(out: str) -> None:
             policy = MegatronPolicy(quant.config)
             policy.load_state_dict(quant.state_dict())
             got[f"tp2_quant_{recipe}"] = megatron_precision.apply_precision(policy, recipe).token_logprobs(ids, lengths).detach()
+    distributed.init(Layout(pp=2))  # the families over 2 pipeline stages (Megatron's schedule: schedule.py)
+    with ops.use_kernels("consistent"), torch.no_grad():
+        for name in PP2_FAMILIES:
+            fam = family_model(name)
+            policy = MegatronPolicy(fam.config)
+            policy.load_state_dict(fam.state_dict())
+            got[f"pp2_{name}"] = DataParallel(policy, 1, distributed.dp_group()).token_logprobs(ids, lengths)
+            got[f"pp2_{name}_weights"] = policy.state_dict()
     distributed.init(Layout(dp=2))
     with ops.use_kernels("consistent"):
         if torch.distributed.get_rank():

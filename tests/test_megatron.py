@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from conftest import tiny_model  # noqa: E402
-from megatron_ranks import FAMILIES, QUANT_MODEL, TP2_FAMILIES, VOCAB, batch, family_model, learner, rl_batch, with_values  # noqa: E402
+from megatron_ranks import FAMILIES, PP2_FAMILIES, QUANT_MODEL, TP2_FAMILIES, VOCAB, batch, family_model, learner, rl_batch, with_values  # noqa: E402
 
 from nemo_rz import ops  # noqa: E402
 from nemo_rz.models import Decoder  # noqa: E402
@@ -226,6 +226,14 @@ def test_family_tp2_logprobs_and_weights_equal_the_builtin_decoder_bit_for_bit(r
     ids, lengths = batch()
     assert torch.equal(ranks[f"tp2_{name}"], model.token_logprobs(ids, lengths))
     assert _same_weights(ranks[f"tp2_{name}_weights"], model.state_dict())
+
+
+@pytest.mark.parametrize("name", PP2_FAMILIES)
+def test_family_pp2_logprobs_and_weights_equal_the_builtin_decoder_bit_for_bit(ranks, name):
+    model = family_model(name)
+    ids, lengths = batch()
+    assert torch.equal(ranks[f"pp2_{name}"], model.token_logprobs(ids, lengths))
+    assert _same_weights(ranks[f"pp2_{name}_weights"], model.state_dict())
 
 
 def test_precision_recipes_tp2_logprobs_equal_the_builtin_decoder_bit_for_bit(ranks):
