@@ -126,13 +126,13 @@ def test_the_draft_trains_on_the_megatron_learner_as_on_the_builtin_one(ranks, m
 
 def test_train_cli_pp2_with_a_cotrained_draft_has_zero_kernel_mismatch(tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "nemo_rz.train", "task.name=add1", "warmup.steps=20", "algo.prompts_per_update=4",
-           "algo.group_size=4", "algo.updates=2", "eval.n=8", "eval.every=2", "model.hidden_size=32",
+    cmd = [sys.executable, "-m", "nemo_rz.train", "task.name=add1", "warmup.steps=40", "warmup.lr=0.003",
+           "algo.prompts_per_update=4", "algo.group_size=4", "algo.updates=3", "eval.n=8", "eval.every=3", "model.hidden_size=32",
            "model.intermediate_size=64", "progress=false", "metrics.tensorboard=false", "metrics.decomposition_every=1",
            "runtime.learner=megatron", "megatron.pp=2", "draft.mode=cotrain", f"run_dir={run}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(r["kernel_diff_tokens"] == 0 for r in rows)
-    assert all("draft_loss" in r for r in rows)
+    assert len(rows) == 3 and all(r["kernel_diff_tokens"] == 0 for r in rows)  # the rollouts' weights moved
+    assert any(r["grad_norm"] > 0 for r in rows) and all("draft_loss" in r for r in rows)
 
