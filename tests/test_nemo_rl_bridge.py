@@ -5,10 +5,11 @@ Megatron-Bridge itself is used where it imports. Its 0.3.x wheels (the ones PyPI
 megatron-core >=0.15,<0.17 (0.16.1 here fits) but also transformers<5 and transformer-engine (CUDA), and the
 package imports transformer_engine at import (megatron/bridge/peft/lora_layers.py), so on a CPU machine with
 transformers 5 it does not import; the test against it then skips with that reason, and the others build the
-provider's shape themselves: a TransformerConfig with GPTModelProvider's own fields (`Provider` below, field names
-as megatron/bridge/models/gpt_provider.py 0.3.1 spells them), filled from a Hugging Face config by the Bridge's
-CONFIG_MAPPING and its Llama / Qwen3 bridges' settings, and a GPTModel built with the arguments
-GPTModelProvider.provide passes.
+provider's shape themselves: a TransformerConfig with GPTModelProvider's own fields (examples/nemo_rl/
+check_megatron.py's ProviderShape, field names as megatron/bridge/models/gpt_provider.py 0.3.1 spells them),
+filled from a Hugging Face config by the Bridge's CONFIG_MAPPING and its Llama / Qwen2 / Qwen3 bridges' settings,
+and a GPTModel built with the arguments GPTModelProvider.provide passes. Then the kit's Megatron side: the keys of
+megatron_consistent.yaml and the driver's check (the string resolved, what the spec cannot run refused).
 """
 import dataclasses
 import importlib.util
@@ -297,3 +298,21 @@ def test_driver_refuses_what_the_consistent_spec_cannot_run(nemo_rl_main, change
     with pytest.raises(driver.KitError) as e:
         driver.check_megatron(cfg)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_module_registers_itself_with_megatron_bridges_target_allowlist(monkeypatch):
+    """A stand-in for Megatron-Bridge's instantiate_utils (NeMo RL main's pinned commit): allow_in_checkpoints adds
+    exactly this module's prefix; without the function (Megatron-Bridge 0.3.x, or none) it registers nothing."""
+    import types
+
+    got = []
+    utils = types.ModuleType("megatron.bridge.utils.instantiate_utils")
+    utils.register_allowed_target_prefix = got.append
+    for name in ("megatron.bridge", "megatron.bridge.utils"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "megatron.bridge.utils.instantiate_utils", utils)
+    assert bridge.allow_in_checkpoints() and got == ["nemo_rz.runtime.megatron.bridge"]
+    target = f"{bridge.consistent_layer_spec.__module__}.{bridge.consistent_layer_spec.__qualname__}"
+    assert target.startswith(got[0] + ".")  # what Megatron-Bridge saves for the field matches the prefix
+    del utils.register_allowed_target_prefix
+    assert not bridge.allow_in_checkpoints() and len(got) == 1

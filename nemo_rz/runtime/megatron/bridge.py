@@ -58,6 +58,25 @@ from nemo_rz.models.decoder import BatchKV, Tokens, prepared
 from nemo_rz.runtime.megatron import layers, spec
 
 SPEC_PATH = "nemo_rz.runtime.megatron.bridge:consistent_layer_spec"
+
+
+def allow_in_checkpoints() -> bool:
+    """Register this module with Megatron-Bridge's `_target_` allowlist, where it has one (NeMo RL main's pinned
+    Megatron-Bridge, 8c46dc4: megatron/bridge/utils/instantiate_utils.py; 0.3.x has none). Megatron-Bridge saves the
+    provider, its `transformer_layer_spec` included, in each checkpoint's run_config.yaml as an importable target,
+    and instantiates that file's targets only from allowlisted prefixes (megatron., torch., nvidia., transformers.,
+    numpy., nemo.), so without this a checkpoint saved with the consistent spec would not load again. Called at
+    import: in NeMo RL's Megatron workers that is when Ray unpickles the policy config holding
+    consistent_layer_spec, before the worker reads a checkpoint. True when registered."""
+    try:
+        from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
+    except ImportError:  # no Megatron-Bridge, or one without an allowlist
+        return False
+    register_allowed_target_prefix(__name__)
+    return True
+
+
+allow_in_checkpoints()
 _WHERE = "policy.megatron_cfg.model_overrides"
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
