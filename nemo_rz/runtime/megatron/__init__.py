@@ -3,7 +3,8 @@ the same loss, with logprobs equal to the built-in Decoder's at every tensor-par
 
 model.py builds the model (layers.py: the nemo_rz.ops layer spec; moe.py: mixtures of experts and expert
 parallelism; convert.py: weights to and from Hugging Face names), data_parallel.py and learner.py train it over
-tp x dp processes, launch.py starts those processes.
+tp x pp x cp x dp processes (schedule.py: pipeline stages through Megatron's schedule; taps.py: the auxiliary
+losses' taps, a co-trained draft's), launch.py starts those processes.
 """
 import warnings
 
