@@ -145,6 +145,29 @@ def test_the_answer_is_kept_on_disk_and_checked_on_load(monkeypatch, tmp_path, c
     assert "fails its check" in capfd.readouterr().err
 
 
+@needs_cpp
+def test_a_finished_build_loads_straight_and_a_changed_library_is_refused(tmp_path):
+    """A later process loads the library its marker vouches for without cpp_extension. Negative controls: a copy
+    whose bytes differ from the recorded digest, a symlinked library and a missing marker are not loaded that way."""
+    tag, where = cpu_kernels._build_dir()
+    name = f"nemo_rz_cpu_{tag}"
+    assert cpu_kernels._load_built(where, name)  # (this process loaded the same file already: no second registration)
+    lib = (where / f"{name}.so").read_bytes()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / f"{name}.so").write_bytes(lib[:-1] + bytes([lib[-1] ^ 1]))
+    (other / cpu_kernels._MARK).write_text((where / cpu_kernels._MARK).read_text())
+    assert not cpu_kernels._load_built(other, name)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / f"{name}.so").symlink_to(where / f"{name}.so")
+    (linked / cpu_kernels._MARK).write_text((where / cpu_kernels._MARK).read_text())
+    assert not cpu_kernels._load_built(linked, name)
+    (other / f"{name}.so").write_bytes(lib)
+    (other / cpu_kernels._MARK).unlink()
+    assert not cpu_kernels._load_built(other, name)
+
+
 _FALLBACK = """
 import warnings, torch
 from nemo_rz import ops

@@ -3,8 +3,9 @@
 The sources ship in this folder; the build goes to `$NEMO_RZ_CACHE_DIR/torch_extensions` (default
 `~/.cache/nemo_rz/torch_extensions`), in a folder named after the sources, the compiler flags, torch's version
 and this CPU (a `-march=native` build never runs on another kind of CPU). It is built once per machine; later
-processes only load it. No compiler, a failed build or `NEMO_RZ_CPP=0`: `available()` is False (with one warning
-line for a failed build) and callers keep their pure-torch route.
+processes only load it (straight from the library a finished build left, checked against the digest recorded
+beside it: no cpp_extension import, no ninja run). No compiler, a failed build or `NEMO_RZ_CPP=0`:
+`available()` is False (with one warning line for a failed build) and callers keep their pure-torch route.
 
 - `matvec(x, w_t)`: x [1, K] @ w_t [K, N] (float32, w_t contiguous) in a fixed order (matvec.cpp), which is the
   order MKL's single-thread GEMM gives each row of a product of two or more rows here. Whether it is, on a given
@@ -19,14 +20,18 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import threading
 import warnings
 from pathlib import Path
 
 import torch
 
+from nemo_rz import atomic
+
 MKL_BLOCK = 384  # rows of w_t per accumulator block in MKL's order (matvec.cpp's rule)
 _SOURCES = ("matvec.cpp",)
+_MARK = "built.sha256"  # written after a finished build: the digest of the library it left
 _FLAGS = ("-O3", "-march=native", "-std=c++17")
 _LOCK = threading.Lock()
 _UNLOADED = object()
@@ -59,19 +64,42 @@ def _build_dir() -> tuple[str, Path]:
     return tag, base / "torch_extensions" / f"nemo_rz_cpu_{tag}"
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _load_built(where: Path, name: str) -> bool:
+    """Load the library a finished build left in `where` without importing cpp_extension or running ninja (most
+    of a warm process's cost here: ~0.8 s wall): only a regular file of this user whose digest the build's
+    marker records (a build still being written, or a file replaced since, is built again)."""
+    lib, mark = where / f"{name}.so", where / _MARK
+    try:
+        st = os.lstat(lib)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or mark.read_text().strip() != _digest(lib):
+            return False
+        torch.ops.load_library(str(lib))
+        torch.ops.nemo_rz_cpu.matvec, torch.ops.nemo_rz_cpu.rows_mm  # noqa: B018 (the ops are registered)
+    except (OSError, RuntimeError, AttributeError):
+        return False
+    return True
+
+
 def _load() -> str | None:
     """Build (once per machine) and load the extension; its build tag, or None where it cannot be had."""
     if os.environ.get("NEMO_RZ_CPP", "1") == "0":
         return None
+    tag, where = _build_dir()
+    name = f"nemo_rz_cpu_{tag}"
+    if _load_built(where, name):
+        return tag
     if not any(shutil.which(c) for c in (os.environ.get("CXX", "c++"), "g++", "clang++")):
         return None
     try:
         from torch.utils import cpp_extension
 
-        tag, where = _build_dir()
         where.mkdir(parents=True, exist_ok=True)
         here = Path(__file__).resolve().parent
-        cpp_extension.load(f"nemo_rz_cpu_{tag}", [str(here / s) for s in _SOURCES], extra_cflags=list(_FLAGS),
+        cpp_extension.load(name, [str(here / s) for s in _SOURCES], extra_cflags=list(_FLAGS),
                            build_directory=str(where), is_python_module=False, verbose=False)
         torch.ops.nemo_rz_cpu.matvec, torch.ops.nemo_rz_cpu.rows_mm  # noqa: B018 (the ops are registered)
     except Exception as e:  # a missing ninja, a compiler error, an unwritable cache: the pure-torch route stays
@@ -79,6 +107,10 @@ def _load() -> str | None:
         warnings.warn(f"nemo_rz: C++ CPU kernels unavailable ({first}); using the pure-torch routes "
                       "(NEMO_RZ_CPP=0 skips the build)", stacklevel=3)
         return None
+    try:
+        atomic.write_text(where / _MARK, _digest(where / f"{name}.so"))
+    except OSError:
+        pass  # later processes go through cpp_extension, as before
     return tag
 
 
