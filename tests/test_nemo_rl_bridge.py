@@ -264,10 +264,15 @@ def nemo_rl_main(tmp_path, monkeypatch):
             (d / "__init__.py").write_text("")
         (pkg / "setup.py").write_text("model_overrides = config['megatron_cfg'].get('model_overrides')\n" if reads
                                       else "# v0.7.0: no provider overrides\n")
-        for name in [m for m in sys.modules if m == "nemo_rl" or m.startswith("nemo_rl.")]:
-            monkeypatch.delitem(sys.modules, name)
+        _forget_nemo_rl()
         monkeypatch.syspath_prepend(str(root))
-    return install
+    yield install
+    _forget_nemo_rl()  # the stand-in imported here must not stay for other tests (nor a real one be cached)
+
+
+def _forget_nemo_rl():
+    for name in [m for m in sys.modules if m == "nemo_rl" or m.startswith("nemo_rl.")]:
+        del sys.modules[name]
 
 
 def test_driver_turns_the_spec_string_into_the_function(nemo_rl_main):
