@@ -4,7 +4,7 @@ Both ranks: a MegatronPolicy's logprobs of a batch of sequences of different len
 block, so their attention crosses the ranks) and of one short sequence (rank 1 holds no token of it); the
 parameter gradients of a fixed weighting of the logprobs, twice; then the same with the ring's partials merged in
 arrival order (the negative control), and the refusals (fast kernels, a sliding window). Then a learner update
-(rank 0 drives, rank 1 follows). Rank 0 saves what both ranks got to argv[1]."""
+(rank 0 drives, rank 1 follows), and one with a co-trained draft. Rank 0 saves what both ranks got to argv[1]."""
 import sys
 
 import torch
@@ -13,10 +13,12 @@ from conftest import tiny_model
 
 from nemo_rz import ops
 from nemo_rz.algorithms.advantages import group_advantages
+from nemo_rz.algorithms.draft import DraftTrainer
 from nemo_rz.generation.packing import Packed
+from nemo_rz.models.draft import DraftHead
 from nemo_rz.parallel import context as ring
 from nemo_rz.parallel.tensor import gather_parts
-from nemo_rz.runtime.megatron import distributed
+from nemo_rz.runtime.megatron import context, distributed
 from nemo_rz.runtime.megatron.layout import Layout
 from nemo_rz.runtime.megatron.learner import MegatronLearner
 from nemo_rz.runtime.megatron.model import MegatronPolicy
@@ -50,6 +52,12 @@ def learner(mirror, layout: Layout) -> MegatronLearner:
     return MegatronLearner(mirror, layout, 1e-3, 1.0, 1.0, "reinforce_zero", "unclipped", {})
 
 
+def draft(mirror) -> DraftTrainer:
+    """A co-trained draft reading both layers (their outputs are on every rank's tokens) and the final norm."""
+    torch.manual_seed(5)
+    return DraftTrainer(DraftHead(mirror.config, (0, 1), num_layers=1), "cotrain", 1e-3, 1.0, steps=2, k=3, grad_clip=1.0)
+
+
 def policy(m, mode: str = "consistent") -> MegatronPolicy:
     with ops.use_kernels(mode):
         p = MegatronPolicy(m.config)
@@ -70,6 +78,18 @@ def _arrival_order(n_rows, parts):
     values = torch.cat([v.reshape(-1, v.shape[-1]) for v, _, _ in parts])
     dest = torch.cat([d.reshape(-1) for _, d, _ in parts])
     return values.new_zeros(n_rows, values.shape[-1]).index_add_(0, dest, values)
+
+
+_batch_rows = context.ContextParallel.batch_rows
+
+
+def _rank_order(self, x):
+    """ContextParallel.batch_rows with every rank's rows put back one rank after the other, in the packed row's
+    first tokens (the zigzag shard ignored): the same collectives, other rows."""
+    shard, rows, _, _ = self.forward_layout
+    out = _batch_rows(self, x)
+    order = torch.cat([ring.ZigzagShard(shard.cu_seqlens, shard.world, q).index for q in range(shard.world)])
+    return torch.zeros_like(out).index_copy(0, rows, out[rows][order])
 
 
 def _refusal(fn) -> str:
@@ -122,9 +142,11 @@ def main(out: str) -> None:
     got["fast_refused"] = _refusal(lambda: policy(m, "fast"))
     got["window_refused"] = _refusal(lambda: MegatronPolicy(tiny_model(0, vocab_size=VOCAB, sliding_window=32).config))
 
-    # A learner update over the 2 context-parallel ranks.
+    # A learner update over the 2 context-parallel ranks; then one with a co-trained draft, trained on rank 0
+    # from the features of its aux layers, gathered from both ranks into the batch's rows (taps.py).
     with ops.use_kernels("consistent"):
         if rank:
+            MegatronLearner.follow()
             MegatronLearner.follow()
         else:
             lrn = learner(m, Layout(cp=2))
@@ -132,6 +154,27 @@ def main(out: str) -> None:
             got["rl_grads"] = [q.grad.clone() for q in lrn.model.parameters()]
             got["rl_weights"], got["rl_mirror"] = lrn.state_dict_copy(), m.state_dict()
             lrn.stop()
+            mirror = model()
+            lrn = learner(mirror, Layout(cp=2))
+            lrn.add_aux_loss(draft(mirror))
+            metrics, _ = lrn.rl_step(*rl_batch())
+            got["draft"], got["draft_loss"] = lrn.draft.shipped(), metrics["draft_loss"]
+            lrn.stop()
+    # Negative control: the same draft step with the ranks' rows put back in rank order, not the shard's.
+    context.ContextParallel.batch_rows, real = _rank_order, context.ContextParallel.batch_rows
+    try:
+        with ops.use_kernels("consistent"):
+            if rank:
+                MegatronLearner.follow()
+            else:
+                mirror = model()
+                lrn = learner(mirror, Layout(cp=2))
+                lrn.add_aux_loss(draft(mirror))
+                lrn.rl_step(*rl_batch())
+                got["draft_rank_order"] = lrn.draft.shipped()
+                lrn.stop()
+    finally:
+        context.ContextParallel.batch_rows = real
     if rank == 0:
         torch.save(got, out)
 

@@ -21,9 +21,10 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_context_ranks import LENGTHS, batch, learner, loss_weights, model, policy, rl_batch  # noqa: E402
+from megatron_context_ranks import LENGTHS, batch, draft, learner, loss_weights, model, policy, rl_batch  # noqa: E402
 
 from nemo_rz import ops  # noqa: E402
+from nemo_rz.runtime.learner import Learner  # noqa: E402
 from nemo_rz.runtime.megatron import distributed, launch  # noqa: E402
 from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
 
@@ -113,3 +114,29 @@ def test_cp2_learner_update_matches_cp1(ranks):
 def test_what_the_ring_does_not_compute_is_refused_in_one_line(ranks):
     assert "megatron.cp = 2 with kernels=fast" in ranks["fast_refused"] and "\n" not in ranks["fast_refused"]
     assert "this model has sliding-window attention" in ranks["window_refused"]
+
+
+def _builtin_draft(mirror=None):
+    """One RL update of the built-in learner (one process) with the co-trained draft: its weights after it. On
+    one thread, as the ranks run: the draft's backward is the library's, whose bits follow the thread count."""
+    mirror, threads = mirror or model(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ops.use_kernels("consistent"):
+            lrn = Learner(mirror, 1e-3, 1.0, 1.0, "reinforce_zero", "unclipped", {})
+            lrn.add_aux_loss(draft(mirror))
+            metrics, _ = lrn.rl_step(*rl_batch())
+    finally:
+        torch.set_num_threads(threads)
+    return lrn.draft.shipped(), metrics["draft_loss"]
+
+
+def test_the_cotrained_draft_under_cp2_equals_one_process_bit_for_bit(ranks):
+    """The draft trains on rank 0 from its aux layers' features of both ranks' tokens, put back in the batch's
+    rows (ContextParallel.batch_rows): the features are one process's bits, and so are the draft's loss and
+    its weights after the step."""
+    want, loss = _builtin_draft()
+    assert ranks["draft_loss"] == loss
+    assert want.keys() == ranks["draft"].keys() and all(torch.equal(ranks["draft"][k], v) for k, v in want.items())
+    # Negative control: the ranks' rows put back in rank order (the shard's zigzag ignored).
+    assert not all(torch.equal(ranks["draft_rank_order"][k], v) for k, v in want.items())

@@ -25,12 +25,20 @@ cp = 1 a weight's gradient is one product over all tokens, here the sum of the r
 (measured in tests/test_megatron_context.py: within 2e-6 of each parameter's largest entry). With data
 parallelism each share's gradient is reduced this way, then the shares' in data_parallel's tree.
 
+A co-trained draft (draft.mode=cotrain, the auxiliary-loss taps of taps.py): each tapped layer's output of the
+rank's tokens is gathered over the group into the whole batch's rows (`batch_rows`, bits copied) on context-parallel
+rank 0, which hands them to rank 0's draft as at cp = 1; the other ranks take part in the gather (`gathering`).
+The draft then trains on rank 0 from one process's features: its weights after a step are one process's bits
+(tests/test_megatron_context.py). It does not run parallel.context.cp_draft_loss over the ranks (that would put
+a draft trainer on every rank; its weights would then equal one process's within rounding only).
+
 Refused, in one line: the fast kernels (Megatron's local DotProductAttention has no context parallelism without
 Transformer Engine: it would attend within each rank's tokens only), models the ring does not compute (sliding
 windows, sinks, mixtures of experts: parallel.context.check_model), and context with pipeline parallelism.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -125,6 +133,21 @@ class ContextParallel:
         local = x.detach().reshape(-1, x.shape[-1])[: shard.index.shape[0]]  # (a rank without tokens ran a stand-in)
         whole = shard.gather(local, self.group)
         return whole.new_zeros(b * length, whole.shape[-1]).index_copy(0, rows, whole)
+
+
+    @contextlib.contextmanager
+    def gathering(self, modules):
+        """Within the block, the outputs of `modules` ({n: module}) take part in `batch_rows` on this rank, whose
+        rows another rank of the group keeps (the taps of an auxiliary loss: taps.py)."""
+        def take_part(_module, _args, out) -> None:  # returns None: the module's output stays as it is
+            self.batch_rows(out[0] if isinstance(out, tuple) else out)
+
+        handles = [m.register_forward_hook(take_part) for m in modules.values()]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
 
 def _stand_in(t: Tokens) -> Tokens:

@@ -74,14 +74,15 @@ class Taps:
         self.points, self.policy, self.per_rank = tuple(points), policy, per_rank
         cfg = policy.config
         per_stage = cfg.num_layers // policy.pp_size
-        mine = (dist.get_rank(policy.tp), policy.pp_rank, parallel_state.get_data_parallel_rank())
+        mine = (dist.get_rank(policy.tp), policy.pp_rank, parallel_state.get_data_parallel_rank(),
+                parallel_state.get_context_parallel_rank())  # cp: the batch's rows gathered on cp rank 0 (context.py)
         ranks = [None] * dist.get_world_size(group)
         dist.all_gather_object(ranks, mine, group=group)
         where = {r: i for i, r in enumerate(ranks)}
         stage = [min(p // per_stage, policy.pp_size - 1) for p in self.points]  # the final norm: the last stage
 
         def owner(micro_batch: int, n: int) -> int:
-            return where[(0, stage[n], micro_batch // per_rank)]
+            return where[(0, stage[n], micro_batch // per_rank, 0)]
 
         self.channel = TapChannel(self.points, owner, CONSUMER, dist.get_rank(group), group)
         self.modules = {}
@@ -97,7 +98,12 @@ class Taps:
         share running)."""
         if not self.active:
             return contextlib.nullcontext()
-        return self.channel.tapping(self.modules, micro_batch, _decoder_layout)
+        cp = self.policy.context
+        if cp is None:
+            return self.channel.tapping(self.modules, micro_batch, _decoder_layout)
+        if parallel_state.get_context_parallel_rank() == 0:
+            return self.channel.tapping(self.modules, micro_batch, cp.batch_rows)
+        return cp.gathering(self.modules)  # the other context-parallel ranks' part of batch_rows' gather
 
     def collect(self, shares: int, rows: int, length: int, lengths: torch.Tensor) -> list[torch.Tensor] | None:
         """After the forward of `shares` micro-batches of `rows` rows: on rank 0 each point's features of the batch
