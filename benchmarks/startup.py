@@ -7,7 +7,8 @@ checkpoint with `load_hf` and runs its first RolloutEngine.generate (a prefill o
 tokens, then one decode step, logprobs and sampling included), then the same call again (steady state). Reported
 (medians, wall and process CPU seconds): import, model load, first forward, steady forward, first - steady
 (start-up overhead), of which probes (time inside ops.verified.verified: probing cold, reading and checking warm)
-and other (first-use work besides: the [K, N] weight copies, fresh memory), and process start to first forward done.
+and other (first-use work besides: weight copies where a route still makes one, fresh memory), and process start
+to first forward done.
 
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456 \\
         python benchmarks/startup.py --model models/smollm2-135m-instruct --reps 3
