@@ -3,12 +3,17 @@ Megatron learner (its auxiliary-loss hook).
 
 One launch of 2 ranks (tests/megatron_pipeline_ranks.py) computes: PP=2 logprobs (both kernel sets), PP=2
 updates over 2 micro-batches (with a draft whose aux layers live on both stages) and over 1, a tied model at
-PP=2, and TP=2 and DP=2 updates with the draft. Here, in one process: PP=2 logprobs == PP=1 == the built-in
-Decoder bit for bit; PP=2 loss, logprobs, gradients (gathered to whole weights) and weights after the step == PP=1's with
-the same grad_shares; the draft's weights after one step == the built-in learner's at PP=1, PP=2, TP=2 and DP=2.
+PP=2, a mixture of experts (moe_tiny's shape) at PP=2, and TP=2 and DP=2 updates with the draft. Here, in one
+process: PP=2 logprobs == PP=1 == the built-in Decoder bit for bit; PP=2 loss, logprobs, gradients (gathered to
+whole weights) and weights after the step == PP=1's with the same grad_shares; the draft's weights after one
+step == the built-in learner's at PP=1, PP=2, TP=2 and DP=2.
 Negative controls: Megatron's own layers (fast) differ at PP=2; a schedule of 1 micro-batch instead of 2
 changes the gradient bits (and equals PP=1 over 1 share); features routed to the wrong micro-batch change the
-draft. The train CLI at megatron.pp=2 with a co-trained draft trains with zero kernel mismatch.
+draft. The mixture of experts at PP=2: logprobs == the Decoder's, the routing record over stages (every rank's,
+the whole model's layers in order) == the Decoder's, decompose's routing_diff_tokens 0 (1 with one expert
+changed), the weights after two updates == PP=1's; negative controls: the fast kernels' logprobs differ, and
+the record with its stages' layers swapped differs from the Decoder's.
+The train CLI at megatron.pp=2 with a co-trained draft trains with zero kernel mismatch.
 """
 import json
 import subprocess
@@ -20,10 +25,13 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_pipeline_ranks import draft, learner, model  # noqa: E402
+from megatron_moe_ranks import updates  # noqa: E402
+from megatron_pipeline_ranks import draft, learner, model, moe_tiny  # noqa: E402
 from megatron_ranks import rl_batch  # noqa: E402
 
 from nemo_rz import ops  # noqa: E402
+from nemo_rz.models.decoder import unpacked  # noqa: E402
+from nemo_rz.models.moe import recorded_routing  # noqa: E402
 from nemo_rz.parallel.pipeline import TapChannel  # noqa: E402
 from nemo_rz.runtime.learner import Learner  # noqa: E402
 from nemo_rz.runtime.megatron import distributed, launch  # noqa: E402
@@ -81,6 +89,33 @@ def test_pp2_logprobs_equal_pp1_and_the_decoder_bit_for_bit(ranks):
     assert _same(ranks["pp2_consistent_weights"], m.state_dict())  # every stage's weights, whole, in HF names
     # negative control: Megatron's own layers round differently
     assert not torch.equal(ranks["pp2_fast"], want) and torch.allclose(ranks["pp2_fast"], want, atol=1e-4)
+
+
+def test_a_mixture_of_experts_over_stages_equals_the_decoder_bit_for_bit(ranks):
+    m = moe_tiny().eval()
+    b = rl_batch()[0]
+    with torch.no_grad(), recorded_routing(m) as routing:
+        want = m.token_logprobs(b.input_ids, b.lengths)
+    length = b.input_ids.shape[1]
+    # the Decoder's record (packed tokens) in the padded [B * T] rows, every layer's k experts side by side
+    experts = torch.cat([unpacked(log[0], b.lengths, length, -1) for log in routing.values()], -1)
+    real = unpacked(torch.ones(int(b.lengths.sum()), 1), b.lengths, length, 0).squeeze(1) != 0
+    assert torch.equal(ranks["pp2_moe_consistent"], want)
+    assert _same(ranks["pp2_moe_consistent_weights"], m.state_dict())  # the experts of both stages, in HF names
+    got = torch.cat([log[0] for log in ranks["pp2_moe_consistent_routing"].values()], -1)[: len(real)]
+    assert got.shape == experts.shape and torch.equal(got[real], experts[real])
+    k = m.config.num_experts_per_tok  # negative control: stage 1's layer recorded before stage 0's
+    assert not torch.equal(torch.cat([got[:, k:], got[:, :k]], -1)[real], experts[real])
+    # negative control: Megatron's stock MoE layer and attention round differently (a model they can run)
+    with torch.no_grad():
+        plain = moe_tiny(attention=False).eval().token_logprobs(b.input_ids, b.lengths)
+    assert not torch.equal(ranks["pp2_moe_fast"], plain) and torch.allclose(ranks["pp2_moe_fast"], plain, atol=1e-4)
+    pp2 = ranks["pp2_moe_updates"]
+    assert pp2["routing_diff"] == [0, 1]
+    with ops.use_kernels("consistent"):
+        pp1 = updates(moe_tiny(), Layout(grad_shares=2))
+    assert pp1["routing_diff"] == [0, 1]
+    assert _same(pp2["weights"], pp1["weights"])  # two updates: every stage's experts moved as at PP=1
 
 
 def test_pp2_update_equals_pp1_over_the_same_micro_batches(ranks):

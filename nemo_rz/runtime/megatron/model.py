@@ -32,7 +32,7 @@ from nemo_rz import ops
 from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.decoder import Tokens, prepared
 from nemo_rz.parallel.tensor import gather_last, gather_parts
-from nemo_rz.runtime.megatron import context, convert, distributed, layers, spec
+from nemo_rz.runtime.megatron import context, convert, distributed, layers, moe, spec
 
 # Megatron's own tensor-parallel layers advise, at their first forward, a CUDA stream setting: moot here.
 warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")
@@ -60,10 +60,11 @@ class MegatronPolicy(nn.Module):
         if cfg.num_layers % self.pp_size:
             raise ValueError(f"megatron.pp = {self.pp_size} does not divide the model's {cfg.num_layers} layers; "
                              "choose a pp that divides them")
-        if self.pp_size > 1 and any(cfg.is_moe(i) for i in range(cfg.num_layers)):
-            raise ValueError(f"megatron.pp = {self.pp_size}: mixtures of experts are not built over pipeline stages yet "
-                             "(their routing record follows one forward per share); use megatron.pp=1")
         per_stage = cfg.num_layers // self.pp_size
+        moe_stages = {any(cfg.is_moe(i) for i in range(s * per_stage, (s + 1) * per_stage)) for s in range(self.pp_size)}
+        if len(moe_stages) > 1:
+            raise ValueError(f"megatron.pp = {self.pp_size}: a pipeline stage without a mixture-of-experts layer cannot "
+                             "take part in the routing record over stages; choose a pp that gives every stage one")
         self.offset = self.pp_rank * per_stage  # the global index of this stage's first layer
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         mcfg = spec.transformer_config(cfg, self.tp_size)
@@ -89,6 +90,12 @@ class MegatronPolicy(nn.Module):
                 self.gpt.output_layer = layers.ColumnLinear(
                     cfg.hidden_size, self.padded_vocab, config=mcfg, tp_group=self.tp,
                     skip_weight_param_allocation=tied and self.first_stage)
+        if self.pp_size > 1 and True in moe_stages:  # the routing record over stages (moe.StageRouting)
+            stage = {int(_LAYER.match(n + ".").group(1)) + self.offset: m for n, m in self.gpt.named_modules()
+                     if isinstance(m, moe.MoE) and _LAYER.match(n + ".")}
+            routing = moe.StageRouting(stage, self.pp_group)
+            for m in stage.values():
+                m.stages = routing
         self.context = context.for_policy(self)  # megatron.cp > 1: packed rows over the context-parallel ranks
 
     # -- forward ----------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ in scatter_add / reduce-scatter order (the all-gather dispatcher sums each rank'
 ranks). Its grouped experts need CUDA (grouped_gemm or Transformer Engine).
 
 Expert parallelism (megatron.ep): as in Megatron, ep splits the experts over ep of the dp x cp ranks (the
-data-parallel ranks that hold one tensor-parallel slice); megatron.ep=2 with megatron.dp=1 is refused in one line
-(layout.Layout: raise megatron.dp; ep adds no process). The dispatch is an all-gather over the expert-parallel
+data-parallel ranks that hold one tensor-parallel slice); ep adds no process: the config's megatron.dp, left at
+its default, is the fewest ep needs (schema.data_parallel_size), and an explicit megatron.dp=1 with megatron.ep=2
+is refused in one line (layout.Layout: raise megatron.dp). The dispatch is an all-gather over the expert-parallel
 group (Megatron's all-gather dispatcher rule: every rank sees every token of the group, gloo all_gather, rank
 order), each rank runs only its experts' (token, expert) pairs, and the pair outputs go back to the tokens'
 ranks with one equal-split all-to-all (gloo all_to_all_single, Megatron's tensor_parallel.all_to_all); each
@@ -272,7 +273,39 @@ class MoE(MoELayer, decoder_moe._Routed):
         group = parallel_state.get_data_parallel_group()
         if dist.get_world_size(group) > 1:
             mine = gather_parts(mine, group).reshape(-1, mine.shape[-1])
-        return [mine]
+        stages = getattr(self, "stages", None)
+        return [mine] if stages is None else stages.finish(self, log, mine)
+
+
+class StageRouting:
+    """The routing record over pipeline stages (set on a stage's MoE layers by model.MegatronPolicy at pp > 1).
+
+    A stage holds only its layers, yet the learner compares the whole model's routing, every layer's experts in
+    layer order (Learner.decompose concatenates the record's layers in order). So the stage's MoE layers, as
+    recorded_routing finishes them (in order), hand their whole-batch records here; the last one gathers every
+    stage's over the pipeline group and the whole model's layers are dealt back, in layer order, in contiguous
+    blocks over this stage's layers' logs (each log then holds one [N, k x its block's layers] tensor; the
+    earlier logs, already finished, are refilled in place): every rank's record reads the whole model."""
+
+    def __init__(self, layers: dict[int, nn.Module], group):
+        self.index = {id(m): i for i, m in layers.items()}  # layer module -> its index in the whole model
+        self.count, self.group, self.done = len(layers), group, []
+
+    def finish(self, layer: nn.Module, log: list, record: torch.Tensor) -> list[torch.Tensor]:
+        self.done.append((self.index[id(layer)], log, record))
+        if len(self.done) < self.count:
+            return [record]  # refilled when the stage's last layer finishes
+        done, self.done = self.done, []
+        stages = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(stages, [(i, r.cpu()) for i, _, r in done], group=self.group)
+        records = [r.to(record.device) for _, r in sorted((x for stage in stages for x in stage), key=lambda x: x[0])]
+        per, extra = divmod(len(records), len(done))
+        start = 0
+        for j, (_, own, _) in enumerate(done):
+            n = per + (j < extra)
+            own[:] = [torch.cat(records[start:start + n], -1)]
+            start += n
+        return list(log)
 
 
 # -- fast: Megatron's stock layer ------------------------------------------------------------------------
