@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -191,7 +192,8 @@ SCHEMA: dict[str, Key] = {
     "megatron.pp": Int(1, fixed=True, why="pipeline stages (Megatron's schedule; must divide the model's layers)"),
     "megatron.cp": Int(1, fixed=True, why="context-parallel ranks (each sequence's tokens split over them)"),
     "megatron.ep": Int(1, fixed=True, why="expert-parallel ranks: the experts split over ep of the dp x cp ranks"),
-    "megatron.dp": Int(1, fixed=True, why="data-parallel ranks"),
+    "megatron.dp": Int(1, optional=True, null_means="for the fewest that megatron.ep needs", fixed=True,
+                       why="data-parallel ranks"),
     "megatron.grad_shares": Int(1, optional=True, null_means="for megatron.dp", fixed=True),
     "megatron.device": Choice(("cpu", "cuda"), why="cuda: rank r on cuda:LOCAL_RANK with NCCL"),
     "megatron.heartbeat_s": Positive(why="seconds a learner rank may stay silent (stopped, stuck) before the job is stopped"),
@@ -317,9 +319,27 @@ def validate(cfg: DictConfig, machine: bool = True) -> DictConfig:
     order = sorted(SCHEMA.items(), key=lambda kv: callable(kv[1].choices))
     for key, spec in order:
         _assign(plain, key, _checked(plain, key, spec))
+    _derive_data_parallel(plain, note=machine)
     check_sizes(plain, machine)
     _check_task_options(plain)
     return OmegaConf.create(_literal(plain))
+
+
+def data_parallel_size(meg: dict) -> int:
+    """megatron.dp as given, or (null, the default) the fewest data-parallel ranks megatron.ep needs: experts
+    are split over ep of the dp x cp ranks, so ep must divide dp x cp, and the fewest is ep / gcd(ep, cp) (1
+    without expert parallelism). The one place dp is derived; what validate leaves in the config."""
+    if meg["dp"] is not None:
+        return meg["dp"]
+    return meg["ep"] // math.gcd(meg["ep"], meg["cp"])
+
+
+def _derive_data_parallel(plain: dict, note: bool) -> None:
+    meg = plain["megatron"]
+    given, meg["dp"] = meg["dp"], data_parallel_size(meg)
+    if note and given is None and meg["dp"] > 1 and plain["runtime"]["learner"] == "megatron":
+        print(f"note: megatron.ep = {meg['ep']}: experts are split over data-parallel ranks, so megatron.dp is "
+              f"{meg['dp']}", file=sys.stderr)
 
 
 def _literal(node):

@@ -156,6 +156,23 @@ def test_moe_refusals_are_one_line(monkeypatch):
         moe.MoE(config=None, submodules=None, pg_collection=type("Groups", (), {"ep": "ep", "tp": "tp"})(), model_config=cfg)
 
 
+def test_ep_raises_a_default_dp_to_what_it_needs_and_refuses_an_explicit_one(capsys):
+    from nemo_rz import config, schema
+    from nemo_rz.runtime.megatron.launch import world_size
+
+    cfg = config.load("moe_tiny", ["runtime.learner=megatron", "megatron.ep=2", "megatron.pp=2"])
+    assert cfg.megatron.dp == 2 and world_size(cfg) == 4 and Layout.from_section(schema.typed(cfg).megatron).dp == 2
+    assert capsys.readouterr().err.strip() == ("note: megatron.ep = 2: experts are split over data-parallel ranks, so "
+                                               "megatron.dp is 2")
+    assert config.load("moe_tiny", ["runtime.learner=megatron", "megatron.ep=2", "megatron.cp=2"]).megatron.dp == 1
+    assert config.load(None, []).megatron.dp == 1 and not capsys.readouterr().err  # no ep: no note
+    # negative control: dp given is kept, so ep=2 over dp=1 is refused when the layout is built
+    kept = config.load("moe_tiny", ["runtime.learner=megatron", "megatron.ep=2", "megatron.dp=1"])
+    assert kept.megatron.dp == 1 and not capsys.readouterr().err
+    with pytest.raises(ValueError, match="megatron.ep = 2: .*raise megatron.dp"):
+        Layout.from_section(schema.typed(kept).megatron)
+
+
 def _update(model) -> list[torch.Tensor]:
     lrn = learner(model, Layout())
     lrn.rl_step(*rl_batch())

@@ -3,7 +3,10 @@
 world = tp x pp x cp x dp processes. Tensor parallelism (tp) splits heads and features, pipeline parallelism
 (pp) splits the layers into stages, context parallelism (cp) splits each packed sequence's tokens, data
 parallelism (dp) splits the batch's rows. Expert parallelism (ep) adds no process: as in Megatron, a mixture
-of experts' layer splits its experts over ep of the dp x cp ranks of one tensor-parallel slice. `grad_shares`
+of experts' layer splits its experts over ep of the dp x cp ranks of one tensor-parallel slice, so ep must
+divide dp x cp; the config's megatron.dp defaults to null, the fewest data-parallel ranks ep needs (ep / gcd(ep,
+cp), said on stderr: `megatron.ep=2` alone runs dp=2, 2 processes), derived in one place, schema.data_parallel_size
+(a Layout's dp is always a number; an explicit dp that ep does not divide is refused here). `grad_shares`
 fixes how many equal slices of rows the batch is cut into for gradients (data_parallel.py), whatever dp is.
 `device` is where each rank computes: "cpu" (gloo; the default, and what the tests run) or "cuda" (rank r on
 cuda:LOCAL_RANK, NCCL for CUDA tensors: distributed.placement).
