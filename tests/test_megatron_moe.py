@@ -1,6 +1,7 @@
 """Mixtures of experts on the Megatron learner (runtime/megatron/moe.py): Qwen3-MoE and gpt-oss-MLP logprobs equal
 to the built-in Decoder's bit for bit at EP=1 and at EP=2 (2 ranks, dp=2, one launch), Megatron's stock MoE layer
-as the negative control, the routing record, weights in Hugging Face names both ways, deterministic gradients."""
+as the negative control, the routing record, weights in Hugging Face names both ways, deterministic gradients;
+megatron.ep=2 with megatron.dp left at its default raises dp to 2 (an explicit dp=1 is refused in one line)."""
 import sys
 from pathlib import Path
 
