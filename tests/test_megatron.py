@@ -19,6 +19,7 @@ pytest.importorskip("megatron.core")
 
 from conftest import tiny_model  # noqa: E402
 from megatron_ranks import FAMILIES, PP2_FAMILIES, QUANT_MODEL, TP2_FAMILIES, VOCAB, batch, family_model, learner, rl_batch, with_values  # noqa: E402
+from megatron_world import launched, world_of_one  # noqa: E402
 
 from nemo_rz import ops  # noqa: E402
 from nemo_rz.models import Decoder  # noqa: E402
@@ -26,9 +27,8 @@ from nemo_rz.parallel.tensor import tree_sum  # noqa: E402
 from nemo_rz.quant.apply import apply_precision  # noqa: E402
 from nemo_rz.quant.linear import RECIPES, Precision  # noqa: E402
 from nemo_rz.runtime import checkpoint  # noqa: E402
-from nemo_rz.runtime.megatron import convert, distributed, launch  # noqa: E402
+from nemo_rz.runtime.megatron import convert, launch  # noqa: E402
 from nemo_rz.runtime.megatron import precision as megatron_precision  # noqa: E402
-from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
 from nemo_rz.runtime.megatron.model import MegatronPolicy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,22 +39,15 @@ TINY = ["task.name=add1", "warmup.steps=40", "warmup.lr=0.003", "algo.prompts_pe
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    distributed.init(Layout())
-    yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+def one_process():
+    with world_of_one():
+        yield
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """What 2 ranks computed (tests/megatron_ranks.py): TP=2 logprobs, a DP=2 update."""
-    out = tmp_path_factory.mktemp("ranks") / "out.pt"
-    code = launch.start([sys.executable, str(ROOT / "tests" / "megatron_ranks.py"), str(out)], 2)
-    assert code == 0
-    return torch.load(out)
+    return launched("megatron_ranks.py", tmp_path_factory.mktemp("ranks") / "out.pt")
 
 
 def policy(model, mode: str) -> MegatronPolicy:

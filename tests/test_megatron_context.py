@@ -13,7 +13,6 @@ ranks (tests/megatron_context_ranks.py) for every multi-rank check.
   layers (fast kernels) differ from the consistent logprobs at cp = 1 and are refused at cp = 2 in one line, as
   is a sliding window (the ring is full causal attention only).
 """
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,10 @@ import torch
 pytest.importorskip("megatron.core")
 
 from megatron_context_ranks import LENGTHS, batch, draft, learner, loss_weights, model, policy, rl_batch  # noqa: E402
+from megatron_world import launched, world_of_one  # noqa: E402
 
 from nemo_rz import ops  # noqa: E402
 from nemo_rz.runtime.learner import Learner  # noqa: E402
-from nemo_rz.runtime.megatron import distributed, launch  # noqa: E402
 from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,21 +32,14 @@ GRAD_REL = 2e-6  # cp = 2 vs cp = 1 gradients: the largest difference over each 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    distributed.init(Layout())
-    yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+def one_process():
+    with world_of_one():
+        yield
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cp") / "out.pt"
-    code = launch.start([sys.executable, str(ROOT / "tests" / "megatron_context_ranks.py"), str(out)], 2)
-    assert code == 0
-    return torch.load(out)
+    return launched("megatron_context_ranks.py", tmp_path_factory.mktemp("cp") / "out.pt")
 
 
 def _cp1_grads(ids, lengths):

@@ -14,7 +14,6 @@ other gradient stays bitwise). Negative control per layout: Megatron's stock mod
 kernels) give other logprobs, or are refused in one line (cp: no ring without Transformer Engine; ep: the stock
 MoE layer keeps its experts on one rank). Also: which
 backend and device a rank's environment selects."""
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +23,9 @@ pytest.importorskip("megatron.core")
 
 from megatron_layout_ranks import LAYOUTS, RUNS, WORLD, learner, model  # noqa: E402
 from megatron_ranks import rl_batch  # noqa: E402
+from megatron_world import launched, world_of_one  # noqa: E402
 
-from nemo_rz.runtime.megatron import distributed, launch  # noqa: E402
+from nemo_rz.runtime.megatron import distributed  # noqa: E402
 from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,25 +38,19 @@ EXPERTS = ".experts."  # in the Hugging Face name of every expert weight (stacke
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts") / "out.pt"
-    code = launch.start([sys.executable, str(ROOT / "tests" / "megatron_layout_ranks.py"), str(out)], WORLD)
-    assert code == 0
-    return torch.load(out)
+    return launched("megatron_layout_ranks.py", out, WORLD)
 
 
 @pytest.fixture(scope="module")
 def one_process():
     """One process's RL update for each model and number of gradient shares the layouts use."""
-    distributed.init(Layout())
-    got = {}
-    for family, shares in sorted({(family, layout.shares) for layout, family in LAYOUTS.values()}):
-        lrn = learner(model(family), Layout(grad_shares=shares))
-        metrics, lp = lrn.rl_step(*rl_batch())
-        got[family, shares] = dict(metrics=metrics, lp=lp, grads=lrn.gradients(), weights=lrn.state_dict_copy())
-    yield got
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    with world_of_one():
+        got = {}
+        for family, shares in sorted({(family, layout.shares) for layout, family in LAYOUTS.values()}):
+            lrn = learner(model(family), Layout(grad_shares=shares))
+            metrics, lp = lrn.rl_step(*rl_batch())
+            got[family, shares] = dict(metrics=metrics, lp=lp, grads=lrn.gradients(), weights=lrn.state_dict_copy())
+        yield got
 
 
 def _equal(a: dict, b: dict) -> bool:

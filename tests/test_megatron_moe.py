@@ -2,7 +2,6 @@
 to the built-in Decoder's bit for bit at EP=1 and at EP=2 (2 ranks, dp=2, one launch), Megatron's stock MoE layer
 as the negative control, the routing record, weights in Hugging Face names both ways, deterministic gradients;
 megatron.ep=2 with megatron.dp left at its default raises dp to 2 (an explicit dp=1 is refused in one line)."""
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,10 +11,11 @@ pytest.importorskip("megatron.core")
 
 from megatron_moe_ranks import batch, learner, moe_model  # noqa: E402
 from megatron_ranks import rl_batch  # noqa: E402
+from megatron_world import launched, world_of_one  # noqa: E402
 
 from nemo_rz import ops  # noqa: E402
 from nemo_rz.models.moe import recorded_routing  # noqa: E402
-from nemo_rz.runtime.megatron import convert, distributed, launch  # noqa: E402
+from nemo_rz.runtime.megatron import convert  # noqa: E402
 from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
 from nemo_rz.runtime.megatron.model import MegatronPolicy  # noqa: E402
 
@@ -43,22 +43,15 @@ def moe_tiny():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    distributed.init(Layout())
-    yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+def one_process():
+    with world_of_one():
+        yield
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """What 2 ranks at dp=2, ep=2 computed (tests/megatron_moe_ranks.py)."""
-    out = tmp_path_factory.mktemp("moe_ranks") / "out.pt"
-    code = launch.start([sys.executable, str(ROOT / "tests" / "megatron_moe_ranks.py"), str(out)], 2)
-    assert code == 0
-    return torch.load(out)
+    return launched("megatron_moe_ranks.py", tmp_path_factory.mktemp("moe_ranks") / "out.pt")
 
 
 def policy(model, mode: str) -> MegatronPolicy:

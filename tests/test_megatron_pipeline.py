@@ -28,13 +28,13 @@ pytest.importorskip("megatron.core")
 from megatron_moe_ranks import updates  # noqa: E402
 from megatron_pipeline_ranks import draft, learner, model, moe_tiny  # noqa: E402
 from megatron_ranks import rl_batch  # noqa: E402
+from megatron_world import launched, world_of_one  # noqa: E402
 
 from nemo_rz import ops  # noqa: E402
 from nemo_rz.models.decoder import unpacked  # noqa: E402
 from nemo_rz.models.moe import recorded_routing  # noqa: E402
 from nemo_rz.parallel.pipeline import TapChannel  # noqa: E402
 from nemo_rz.runtime.learner import Learner  # noqa: E402
-from nemo_rz.runtime.megatron import distributed, launch  # noqa: E402
 from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
 from nemo_rz.runtime.megatron.model import MegatronPolicy  # noqa: E402
 
@@ -42,21 +42,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    distributed.init(Layout())
-    yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+def one_process():
+    with world_of_one():
+        yield
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp_ranks") / "out.pt"
-    code = launch.start([sys.executable, str(ROOT / "tests" / "megatron_pipeline_ranks.py"), str(out)], 2)
-    assert code == 0
-    return torch.load(out)
+    return launched("megatron_pipeline_ranks.py", tmp_path_factory.mktemp("pp_ranks") / "out.pt")
 
 
 def _pp1(shares: int, with_draft: bool = False, **kw) -> dict:

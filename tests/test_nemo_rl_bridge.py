@@ -26,12 +26,12 @@ pytest.importorskip("megatron.core")
 from conftest import tiny_model  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron_world import world_of_one  # noqa: E402
 
 from nemo_rz.models.decoder import Tokens, prepared  # noqa: E402
 from nemo_rz.models.hf import save_hf  # noqa: E402
 from nemo_rz.models.hf_config import config_from_hf  # noqa: E402
-from nemo_rz.runtime.megatron import bridge, distributed, layers, spec  # noqa: E402
-from nemo_rz.runtime.megatron.layout import Layout  # noqa: E402
+from nemo_rz.runtime.megatron import bridge, layers, spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / "examples" / "nemo_rl"
@@ -53,13 +53,9 @@ provider_from_hf, build, dense, packed = check.provider_from_hf, check.build, ch
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    distributed.init(Layout())
-    yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+def one_process():
+    with world_of_one():
+        yield
 
 
 def hf_config(model) -> dict:
