@@ -27,7 +27,7 @@ from nemo_rz.parallel.tensor import tree_sum  # noqa: E402
 from nemo_rz.quant.apply import apply_precision  # noqa: E402
 from nemo_rz.quant.linear import RECIPES, Precision  # noqa: E402
 from nemo_rz.runtime import checkpoint  # noqa: E402
-from nemo_rz.runtime.megatron import convert, launch  # noqa: E402
+from nemo_rz.runtime.megatron import convert, distributed, launch  # noqa: E402
 from nemo_rz.runtime.megatron import precision as megatron_precision  # noqa: E402
 from nemo_rz.runtime.megatron.model import MegatronPolicy  # noqa: E402
 
@@ -368,3 +368,14 @@ def test_the_converter_reads_the_family_map(monkeypatch):
     monkeypatch.setattr(type(qwen3_moe.FAMILY), "megatron_tensors", lambda self: None)  # a family not built yet
     with pytest.raises(ValueError, match="Qwen3MoeForCausalLM models: the Megatron learner does not build this family yet"):
         convert.to_megatron(moe.state_dict(), moe.config)
+
+
+def test_a_cuda_placement_is_refused_by_the_policy_until_it_moves_its_weights(monkeypatch):
+    """megatron.device=cuda places the groups; the policy, which keeps its weights on the CPU yet, says so in one
+    line instead of training there silently (negative control: the CPU placement builds)."""
+    model = tiny_model(0, vocab_size=VOCAB)
+    policy(model, "consistent")
+    on = distributed.placement("cuda", env={"LOCAL_RANK": "0"}, cuda_devices=1)
+    monkeypatch.setattr(distributed, "_PLACEMENT", on)
+    with pytest.raises(ValueError, match=r"^megatron.device = cuda: .* use megatron.device=cpu$"):
+        MegatronPolicy(model.config)

@@ -52,6 +52,10 @@ class MegatronPolicy(nn.Module):
         super().__init__()
         self.fast = ops.get_kernels() != "consistent"
         spec.check_supported(cfg, self.fast)
+        if distributed.device().type != "cpu":
+            raise ValueError(f"megatron.device = {distributed.device().type}: the ranks' process groups and devices are "
+                             "placed (NCCL), but the Megatron policy does not yet move its weights and batches there; "
+                             "use megatron.device=cpu")
         self.config, self.tp = cfg, distributed.tp_group()
         self.tp_size, self.tp_rank = dist.get_world_size(self.tp), dist.get_rank(self.tp)
         self.padded_vocab = -(-cfg.vocab_size // self.tp_size) * self.tp_size  # Megatron splits the vocabulary evenly
