@@ -19,7 +19,7 @@ pytest.importorskip("megatron.core")
 
 from conftest import tiny_model  # noqa: E402
 from megatron_ranks import FAMILIES, PP2_FAMILIES, QUANT_MODEL, TP2_FAMILIES, VOCAB, batch, family_model, learner, rl_batch, with_values  # noqa: E402
-from megatron_world import launched, world_of_one  # noqa: E402
+from megatron_world import launched, policy, world_of_one  # noqa: E402
 
 from nemo_rz import ops  # noqa: E402
 from nemo_rz.models import Decoder  # noqa: E402
@@ -48,13 +48,6 @@ def one_process():
 def ranks(tmp_path_factory):
     """What 2 ranks computed (tests/megatron_ranks.py): TP=2 logprobs, a DP=2 update."""
     return launched("megatron_ranks.py", tmp_path_factory.mktemp("ranks") / "out.pt")
-
-
-def policy(model, mode: str) -> MegatronPolicy:
-    with ops.use_kernels(mode):
-        p = MegatronPolicy(model.config)
-    p.load_state_dict(model.state_dict())
-    return p
 
 
 @pytest.mark.parametrize("family", [dict(), dict(tie_word_embeddings=True, qk_norm=False, attention_bias=True)],

@@ -11,7 +11,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_moe_ranks import batch, learner, moe_model  # noqa: E402
 from megatron_ranks import rl_batch  # noqa: E402
-from megatron_world import launched, world_of_one  # noqa: E402
+from megatron_world import launched, policy, world_of_one  # noqa: E402
 
 from nemo_rz import ops  # noqa: E402
 from nemo_rz.models.moe import recorded_routing  # noqa: E402
@@ -52,13 +52,6 @@ def one_process():
 def ranks(tmp_path_factory):
     """What 2 ranks at dp=2, ep=2 computed (tests/megatron_moe_ranks.py)."""
     return launched("megatron_moe_ranks.py", tmp_path_factory.mktemp("moe_ranks") / "out.pt")
-
-
-def policy(model, mode: str) -> MegatronPolicy:
-    with ops.use_kernels(mode):
-        p = MegatronPolicy(model.config)
-    p.load_state_dict(model.state_dict())
-    return p
 
 
 def _same_weights(got: dict, model) -> bool:
