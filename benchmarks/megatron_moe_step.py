@@ -21,7 +21,7 @@ import argparse
 import datetime
 import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
 
@@ -31,15 +31,12 @@ from nemo_rz.runtime.megatron import distributed, launch
 from nemo_rz.runtime.megatron.layout import Layout
 from nemo_rz.runtime.megatron.model import MegatronPolicy
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import megatron_step  # noqa: E402  (the timed forward + backward step)
+
 
 def step(model, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    torch.distributed.barrier()
-    t0 = time.perf_counter()
-    lp = model.token_logprobs(ids)
-    lp.sum().backward()
-    torch.distributed.barrier()
-    return time.perf_counter() - t0, lp.detach()
+    return megatron_step.step(model, ids, "consistent")
 
 
 def main() -> None:
