@@ -137,7 +137,7 @@ def test_family_structure_is_read_per_layer(hf_root):
 @pytest.mark.parametrize("family, breakage", [
     ("gpt-oss", lambda m: setattr(m.config, "layer_types", ["full_attention", "sliding_attention"] * 2)),
     ("gemma3", lambda m: setattr(m.config, "rope_local_theta", None)),
-    ("qwen3-moe", lambda m: setattr(m.model.layers[0].mlp, "renormalize", False)),
+    ("qwen3-moe", lambda m: setattr(m.config, "norm_topk_prob", False)),
     ("gpt-oss", lambda m: setattr(m.config, "rope_scaling", None)),
     ("gpt-oss", lambda m: m.model.layers[1].self_attn.sinks.data.zero_()),
 ])
