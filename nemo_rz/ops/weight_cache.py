@@ -1,8 +1,9 @@
 """Derived copies of weights, kept on the weight until it changes, and the one function that drops them all.
 
 Several places compute a copy of a weight once and reuse it until the weight changes: the contiguous [K, N]
-GEMM operand of a linear weight not already stored so in the compute dtype (ops/gemm.py: a bfloat16 weight, a
-tied embedding as LM head; a Linear's float32 weight is its own operand, models/layers.py), the [E, in, out]
+GEMM operand of a linear weight not already stored so (ops/gemm.py: a weight in the usual contiguous [N, K]
+layout, or a bfloat16 weight where the C++ rows kernel is not admitted; a Linear's weight, and a tied embedding
+as LM head, are their own operands, models/layers.py), the [E, in, out]
 layout of stacked expert weights (models/moe.py), float32 copies of bfloat16 expert weights (ops/moe.py),
 quantized weights (quant/linear.py, quant/experts.py), a draft's rows of its target's LM head (models/draft.py).
 All of them live here, in one dict on the source tensor (attribute `ATTR`, {kind: (key, copy)}: one copy per
