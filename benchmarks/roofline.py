@@ -16,6 +16,9 @@ its shape with random weights: --preset smollm2-135m), all on 1 torch thread:
   padded 2-row GEMM it replaces vs fast mode's `F.linear`, against a plain read of the same bytes interleaved
   with them (the bandwidth limit as it is at that moment).
 
+`--attention-ab` adds the mode consistent-tiled to decode and prefill: consistent with ops.attention's C++ forward
+turned off (the tiled ATen path it replaces, same bits), so the ratio consistent/consistent-tiled is that change.
+
 Times are process CPU seconds (one thread: the work done, not time lost to other tenants); medians over
 repetitions, variants interleaved with the order rotated every repetition.
 
@@ -25,7 +28,9 @@ repetitions, variants interleaved with the order rotated every repetition.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import importlib
 import statistics
 import sys
 import time
@@ -44,6 +49,7 @@ from nemo_rz.kernels import cpu as cpu_kernels  # noqa: E402
 from nemo_rz.ops import gemm  # noqa: E402
 
 MODES = ("consistent", "fast")
+TILED = "consistent-tiled"  # consistent, attention on the tiled ATen path (--attention-ab)
 CHECKPOINT = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct"
 MiB = 1 << 20
 
@@ -101,6 +107,21 @@ def attention_macs(counts: dict, queries: int, context: int) -> int:
     return 2 * counts["layers"] * queries * context * counts["q_dim"]
 
 
+@contextlib.contextmanager
+def kernel_mode(mode: str):
+    """ops.use_kernels(mode); TILED: consistent with ops.attention's C++ forward turned off."""
+    with ops.use_kernels("consistent" if mode == TILED else mode):
+        if mode != TILED:
+            yield
+            return
+        attention = importlib.import_module("nemo_rz.ops.attention")
+        saved, attention._cpp_applies = attention._cpp_applies, lambda *a: False
+        try:
+            yield
+        finally:
+            attention._cpp_applies = saved
+
+
 def interleaved(variants: dict, reps: int) -> dict:
     """{name: [seconds...]}: each variant once per repetition, the order rotated every repetition."""
     names = list(variants)
@@ -127,7 +148,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, nargs=2, default=[4, 20], metavar=("SHORT", "LONG"),
                     help="the two decode budgets whose difference times the decode steps")
     ap.add_argument("--prefill", type=int, nargs=2, default=[8, 64], metavar=("BATCH", "LENGTH"))
+    ap.add_argument("--attention-ab", action="store_true",
+                    help=f"decode and prefill also in mode {TILED} (the C++ attention forward off)")
     args = ap.parse_args()
+    gen_modes = MODES + (TILED,) * args.attention_ab
     if args.model is None and args.preset == "smollm2-135m" and CHECKPOINT.is_dir():
         args.model = str(CHECKPOINT)
     torch.set_num_threads(1)
@@ -178,20 +202,22 @@ def main() -> None:
 
         def gen(mode, budget, seed, prompts=prompts, engine=engine):
             params = [SamplingParams(max_new_tokens=budget, temperature=1.0, seed=seed + i) for i in range(len(prompts))]
-            with ops.use_kernels(mode):
+            with kernel_mode(mode):
                 return cpu_seconds(lambda: engine.generate(prompts, params))
 
-        for m in MODES:
+        for m in gen_modes:
             gen(m, short, 0)
-        times = interleaved({m: (lambda m=m: (gen(m, long, 7) - gen(m, short, 7)) / (long - short)) for m in MODES},
+        times = interleaved({m: (lambda m=m: (gen(m, long, 7) - gen(m, short, 7)) / (long - short)) for m in gen_modes},
                             args.reps)
         context = args.prompt_len + (short + long) // 2
         kv_bytes = 2 * 4 * counts["layers"] * batch * context * counts["kv_dim"]
         flops = 2 * (batch * counts["macs"] + attention_macs(counts, batch, context))
-        for m in MODES:
+        for m in gen_modes:
             rows.append((f"decode batch {batch}", m, statistics.median(times[m]), flops,
                          counts["weight_bytes"] + kv_bytes, batch))
         ratios[f"decode {batch}"] = paired_ratio(times, "consistent", "fast")
+        if args.attention_ab:
+            ratios[f"decode {batch} (vs {TILED})"] = paired_ratio(times, "consistent", TILED)
 
     # prefill
     pb, plen = args.prefill
@@ -200,17 +226,19 @@ def main() -> None:
 
     def prefill(mode):
         params = SamplingParams(max_new_tokens=1, temperature=1.0, seed=3)
-        with ops.use_kernels(mode):
+        with kernel_mode(mode):
             return cpu_seconds(lambda: engine.generate(prompts, params))
 
-    for m in MODES:
+    for m in gen_modes:
         prefill(m)
-    times = interleaved({m: (lambda m=m: prefill(m)) for m in MODES}, args.reps)
+    times = interleaved({m: (lambda m=m: prefill(m)) for m in gen_modes}, args.reps)
     lm_head = counts["linears"][-1].numel()
     flops = 2 * (pb * plen * (counts["macs"] - lm_head) + pb * lm_head + attention_macs(counts, pb * plen, plen // 2))
-    for m in MODES:
+    for m in gen_modes:
         rows.append((f"prefill [{pb}x{plen}]", m, statistics.median(times[m]), flops, None, pb * plen))
     ratios["prefill"] = paired_ratio(times, "consistent", "fast")
+    if args.attention_ab:
+        ratios[f"prefill (vs {TILED})"] = paired_ratio(times, "consistent", TILED)
 
     # batch-1 linears alone
     linears = [gemm.weight_t(w, torch.float32) for w in counts["linears"]]  # the consistent route's [K, N] copies
@@ -233,7 +261,7 @@ def main() -> None:
         gf = flops / sec / 1e9
         gbs = f"{nbytes / sec / 1e9:.1f} | {nbytes / sec / 1e9 / limit_bw:.0%}" if nbytes else "- | -"
         print(f"| {row} | {mode} | {sec * 1e3:.1f} ms | {tokens / sec:,.0f} | {gf:.1f} | {gf / peak:.0%} | {gbs} |")
-    print("\nconsistent/fast speed (median of paired per-repetition ratios): "
+    print("\nconsistent/fast speed (consistent/consistent-tiled where named; median of paired per-repetition ratios): "
           + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     print(f"\none token's linears alone ({len(linears)} weights, {counts['weight_bytes'] / 1e6:.0f} MB):")
     print("| kernel | ms | GB/s | of bandwidth | of the interleaved read |\n|---|---|---|---|---|")

@@ -22,6 +22,9 @@ Parts (rz-vllm: nemo_rz.ops calls; stock-eager: vLLM's CPU layers):
   `execute_model` / `sample_tokens`; scheduler: `Scheduler.schedule` + `update_from_output`; engine other: the
   rest of `EngineCore.step`; front end: `LLMEngine.step` outside the core (output processing).
 
+Variant rz-vllm-tiled is rz-vllm with ops.attention's C++ forward turned off (the tiled ATen path it replaces,
+same bits): `--variants rz-vllm rz-vllm-tiled` measures that change alone.
+
 A second pass of the same number of generate calls runs with the timers removed: its wall time per step is the
 uninstrumented step, the first pass shows how it splits. The parent interleaves the children (variant order
 rotated per round) and prints a table of ms per decode step by part, and the ratio of uninstrumented step times.
@@ -188,6 +191,11 @@ def child(args) -> None:
     GPUModelRunner.execute_model = counted
     b, path = args.batch, args.model_path
     max_len = args.prompt_len + args.max_new_tokens
+    if args.child == "rz-vllm-tiled":
+        import importlib
+
+        # the tiled ATen path: the C++ forward's bits at its old cost
+        importlib.import_module("nemo_rz.ops.attention")._cpp_applies = lambda *a: False
     if args.child.startswith("rz"):
         from nemo_rz.generation.vllm import VLLMRolloutEngine
 
@@ -275,7 +283,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32])
-    ap.add_argument("--variants", nargs="+", default=["rz-vllm", "stock-eager"], choices=["rz-vllm", "stock-eager"])
+    ap.add_argument("--variants", nargs="+", default=["rz-vllm", "stock-eager"], choices=["rz-vllm", "rz-vllm-tiled", "stock-eager"])
     ap.add_argument("--reps", type=int, default=2, help="generate calls per pass (two passes: timed parts, plain)")
     ap.add_argument("--rounds", type=int, default=1, help="child processes per (variant, batch), interleaved")
     ap.add_argument("--prompt-len", type=int, default=16)
@@ -346,12 +354,13 @@ def report(results: list[dict], args) -> None:
     print("|---|" + "---|" * len(cols))
     for p in (*PARTS, "total", "prefill step", "plain cpu", "plain wall"):
         print(f"| {p} | " + " | ".join(f"{statistics.median(x[p] for x in by[c]):.2f}" for c in cols) + " |")
-    if {"rz-vllm", "stock-eager"} <= set(args.variants):
-        for b in args.batch_sizes:
-            for clock in ("plain cpu", "plain wall"):
-                ratio = statistics.median(x[clock] for x in by[(b, "stock-eager")]) / statistics.median(
-                    x[clock] for x in by[(b, "rz-vllm")])
-                print(f"batch {b}: rz-vllm speed / stock-eager ({clock} per step) = {ratio:.2f}x")
+    for other in ("stock-eager", "rz-vllm-tiled"):
+        if {"rz-vllm", other} <= set(args.variants):
+            for b in args.batch_sizes:
+                for clock in ("attention", "plain cpu", "plain wall"):
+                    ratio = statistics.median(x[clock] for x in by[(b, other)]) / statistics.median(
+                        x[clock] for x in by[(b, "rz-vllm")])
+                    print(f"batch {b}: rz-vllm speed / {other} ({clock} per step) = {ratio:.2f}x")
 
 
 if __name__ == "__main__":

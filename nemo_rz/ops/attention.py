@@ -23,6 +23,12 @@ Attention sinks (gpt-oss): one learned logit per query head that joins every row
 contributes no value. The shift becomes m = max(row max, sink), and exp(sink - m) is added to sum p after the
 blocks (computed on a fixed-width padded tensor, so no element takes a vector loop's scalar tail).
 
+Without autograd (rollout engines, scoring under no_grad) the same arithmetic runs as one C++ pass per tile of
+rows (kernels/cpu/attention.cpp: keys and values read straight from the contiguous or paged cache, no gathered
+blocks, hidden keys and blocks skipped as the exact zeros they add), where a probe at first use shows it gives
+this path's bits for the head size and cache dtype; the training forward keeps the ATen ops below, whose backward
+autograd provides. This function is the one place that picks between them.
+
 The arithmetic of a pair and the merge are one core, used by every consistent attention here and in the
 context-parallel ring (parallel/context.py, which adds only where a key block's pairs are computed and the
 order their partials merge in), and so in a draft's training-time test:
@@ -38,11 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from nemo_rz.kernels import cpu as cpu_kernels
 from nemo_rz.ops.attention_plan import ATTN_TILE_ROWS, KV_BLOCK, AttentionPlan, Padded, Tiled, ones_columns
 from nemo_rz.ops.dispatch import by_recomputing, kernel_op, on_gpu_kernels
 from nemo_rz.ops.kernel_set import consistent
 from nemo_rz.ops.tiles import TILE_ROWS
-from nemo_rz.ops.verified import one_thread
+from nemo_rz.ops.verified import one_thread, verified
 
 __all__ = ["ATTN_TILE_ROWS", "KV_BLOCK", "AttentionPlan", "attention"]
 _EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38: the smallest inputs whose exp is still a normal float32
@@ -82,6 +89,8 @@ def attention(
         return _attention_kernel(q, k_cache, v_cache, seq_idx, positions, scale, window, block_table, plan, sinks)
     if not consistent():
         return _attention_fast(q, k_cache, v_cache, scale, block_table, plan.padded(window), sinks)
+    if _cpp_applies(q, k_cache, v_cache, sinks):
+        return _attention_cpp(q, k_cache, v_cache, scale, block_table, plan.starts(window), sinks)
     return _attention_tiled(q, k_cache, v_cache, scale, block_table, plan.tiled(q.shape[-1], torch.float32, window), sinks)
 
 
@@ -103,6 +112,70 @@ def _attention_kernel(q, k_cache, v_cache, seq_idx, positions, scale, window, bl
         return out.to(q.dtype)
 
     return kernel_op(kernel, by_recomputing(reference), q, k_cache, v_cache, sinks)
+
+
+def _cpp_applies(q, k_cache, v_cache, sinks) -> bool:
+    """Does this call take the C++ forward? Only without autograd (the learner's training forward keeps the tiled
+    path, whose ATen ops have a backward), on CPU, for caches it reads (float32 or bfloat16, unit stride along
+    D), and where the probe has shown it gives the tiled path's bits for this head size and cache dtype."""
+    tensors = (q, k_cache, v_cache) if sinks is None else (q, k_cache, v_cache, sinks)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu) or k_cache.dtype != v_cache.dtype:
+        return False
+    if k_cache.dtype not in (torch.float32, torch.bfloat16) or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return False
+    return cpp_verified(q.shape[-1], k_cache.dtype)
+
+
+def _attention_cpp(q, k_cache, v_cache, scale, block_table, starts, sinks=None):
+    """The tiled path's forward in one C++ pass per tile of rows (kernels/cpu/attention.cpp): same bits, no
+    gathered key blocks."""
+    seq_idx, positions, first = starts
+    table = None if block_table is None else block_table.long().contiguous()
+    out = cpu_kernels.attention_fwd(q.float().contiguous(), k_cache, v_cache, seq_idx, positions, first, table,
+                                    None if sinks is None else sinks.detach().float().contiguous(), float(scale))
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def cpp_verified(head_dim: int, cache_dtype: torch.dtype) -> bool:
+    """Does the C++ forward give the tiled path's bits here, for this head size and cache dtype? Probed once per
+    process and build (False without the C++ kernels, NEMO_RZ_CPP=0 or NEMO_RZ_VERIFIED=0): decode, chunked and
+    whole prefill, a window, sinks, contiguous and paged caches, on random values, against _attention_tiled."""
+    tag = cpu_kernels.build_tag()
+    if tag is None:
+        return False
+    return bool(verified("attention_cpp", (head_dim, str(cache_dtype), tag), lambda: _cpp_probe(head_dim, cache_dtype)))
+
+
+def _cpp_probe(head_dim: int, cache_dtype: torch.dtype) -> bool:
+    g = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, slots, block = 6, 2, 96, KV_BLOCK * 2
+    lens, new = (70, 33, 9), (1, 20, 9)  # decode, a chunk of prefill, a whole prompt
+    seq_idx = torch.cat([torch.full((n,), s) for s, n in enumerate(new)])
+    positions = torch.cat([torch.arange(length - n, length) for length, n in zip(lens, new)])
+    q = torch.randn(seq_idx.shape[0], heads, head_dim, generator=g) * 2.0
+    k = torch.randn(len(lens), kv_heads, slots, head_dim, generator=g).to(cache_dtype)
+    v = torch.randn(len(lens), kv_heads, slots, head_dim, generator=g).to(cache_dtype)
+    # The same keys in a paged cache: blocks of `block` keys in a shuffled order, unused blocks holding NaN.
+    per_seq = slots // block + 1
+    table = torch.randperm(len(lens) * per_seq + 1, generator=g)[: len(lens) * per_seq].view(len(lens), per_seq)
+    pages = [torch.full((len(lens) * per_seq + 1, kv_heads, block, head_dim), float("nan")).to(cache_dtype) for _ in (k, v)]
+    for page, c in zip(pages, (k, v)):
+        for s in range(len(lens)):
+            for j in range(per_seq):
+                n = min(block, slots - j * block)
+                if n > 0:
+                    page[table[s, j], :, :n] = c[s, :, j * block : j * block + n]
+    sinks = torch.randn(heads, generator=g)
+    plan = AttentionPlan(seq_idx, positions, heads, kv_heads)
+    for window, sink in ((None, None), (24, None), (None, sinks)):
+        t = plan.tiled(head_dim, torch.float32, window)
+        for kc, vc, bt in ((k, v, None), (*pages, table)):
+            want = _attention_tiled(q, kc, vc, 0.125, bt, t, sink)
+            if not torch.equal(_attention_cpp(q, kc, vc, 0.125, bt, plan.starts(window), sink), want):
+                return False
+    return True
 
 
 def _key_blocks(cache: torch.Tensor, t: Tiled, block_table, paged) -> torch.Tensor:

@@ -228,7 +228,7 @@ class AttentionPlan:
     def __init__(self, seq_idx: torch.Tensor, positions: torch.Tensor, heads: int, kv_heads: int, window: int | None = None):
         self.seq_idx, self.positions = seq_idx, positions
         self.heads, self.kv_heads = heads, kv_heads
-        self._tiled, self._padded = {}, {}
+        self._tiled, self._padded, self._starts = {}, {}, {}
 
     def fits(self, q, k_cache, seq_idx, positions) -> bool:
         """Is this the plan for these tokens and head counts?"""
@@ -241,6 +241,15 @@ class AttentionPlan:
             rows = tile_rows(self.seq_idx, self.heads, self.kv_heads, head_dim, dtype)
             self._tiled[key] = Tiled(self.seq_idx, self.positions, self.heads, self.kv_heads, window, rows)
         return self._tiled[key]
+
+    def starts(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(seq_idx, positions, each token's first visible key), int64 and contiguous: the C++ forward's
+        bookkeeping (it tiles the rows itself)."""
+        if window not in self._starts:
+            positions = self.positions.long().contiguous()
+            self._starts[window] = (self.seq_idx.long().contiguous(), positions,
+                                    _window_start(positions, window).contiguous())
+        return self._starts[window]
 
     def padded(self, window: int | None) -> Padded:
         if window not in self._padded:

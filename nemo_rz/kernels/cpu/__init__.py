@@ -13,6 +13,9 @@ beside it: no cpp_extension import, no ninja run). No compiler, a failed build o
 - `rows_mm(x, w_t)`: x [M, K] float32 @ w_t [K, N] (float32 or bfloat16, contiguous) with every row in that same
   order, whatever M: a bfloat16 weight is read as it is stored (half the bytes of a float32 copy) and gives the
   bits of its exact float32 widening; rows share each pass over the weight, up to 8 at a time.
+- `attention_fwd(...)`: the forward of ops.attention's consistent tiled path (attention.cpp), reading keys and
+  values straight from a contiguous or paged cache; whether it gives that path's bits here is for the caller to
+  probe (ops/attention.py does).
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import torch
 from nemo_rz import atomic
 
 MKL_BLOCK = 384  # rows of w_t per accumulator block in MKL's order (matvec.cpp's rule)
-_SOURCES = ("matvec.cpp",)
+_SOURCES = ("matvec.cpp", "attention.cpp")
 _MARK = "built.sha256"  # written after a finished build: the digest of the library it left
 _FLAGS = ("-O3", "-march=native", "-std=c++17")
 _LOCK = threading.Lock()
@@ -68,6 +71,12 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _registered() -> None:
+    """Raise AttributeError unless every op of the sources is registered."""
+    ops = torch.ops.nemo_rz_cpu
+    ops.matvec, ops.rows_mm, ops.attention_fwd  # noqa: B018
+
+
 def _load_built(where: Path, name: str) -> bool:
     """Load the library a finished build left in `where` without importing cpp_extension or running ninja (most
     of a warm process's cost here: ~0.8 s wall): only a regular file of this user whose digest the build's
@@ -78,7 +87,7 @@ def _load_built(where: Path, name: str) -> bool:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or mark.read_text().strip() != _digest(lib):
             return False
         torch.ops.load_library(str(lib))
-        torch.ops.nemo_rz_cpu.matvec, torch.ops.nemo_rz_cpu.rows_mm  # noqa: B018 (the ops are registered)
+        _registered()
     except (OSError, RuntimeError, AttributeError):
         return False
     return True
@@ -101,7 +110,7 @@ def _load() -> str | None:
         here = Path(__file__).resolve().parent
         cpp_extension.load(name, [str(here / s) for s in _SOURCES], extra_cflags=list(_FLAGS),
                            build_directory=str(where), is_python_module=False, verbose=False)
-        torch.ops.nemo_rz_cpu.matvec, torch.ops.nemo_rz_cpu.rows_mm  # noqa: B018 (the ops are registered)
+        _registered()
     except Exception as e:  # a missing ninja, a compiler error, an unwritable cache: the pure-torch route stays
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         warnings.warn(f"nemo_rz: C++ CPU kernels unavailable ({first}); using the pure-torch routes "
@@ -141,3 +150,15 @@ def rows_mm(x: torch.Tensor, w_t: torch.Tensor, block: int = MKL_BLOCK, simd: bo
     """x [M, K] float32 @ w_t [K, N] (float32 or bfloat16) -> [M, N] float32 on CPU, each row in matvec's order
     (the bits of matvec on that row and w_t widened to float32). Call only where `available()`."""
     return torch.ops.nemo_rz_cpu.rows_mm(x, w_t, block, simd)
+
+
+def attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_idx: torch.Tensor,
+                  positions: torch.Tensor, starts: torch.Tensor, block_table: torch.Tensor | None,
+                  sinks: torch.Tensor | None, scale: float, simd: bool = True) -> torch.Tensor:
+    """Causal GQA attention forward (attention.cpp): q [N, H, D] float32 (contiguous); caches [S, Hkv, L, D]
+    (block_table None) or [num_blocks, Hkv, block_size, D] (block_table [S, max_blocks] int64), float32 or
+    bfloat16, unit stride along D; seq_idx, positions and starts (each token's first visible key) int64 [N];
+    sinks [H] float32 or None -> [N, H, D] float32. simd=False runs the scalar loops. Call only where
+    `available()`."""
+    return torch.ops.nemo_rz_cpu.attention_fwd(q, k_cache, v_cache, seq_idx, positions, starts, block_table, sinks,
+                                               scale, simd)
