@@ -18,7 +18,11 @@ NORMS = ("rms", "rms_f32", "gemma")
 ACTIVATIONS = ("silu", "gelu_tanh")
 # "qwen3": softmax over all experts, top-k, optional renormalisation; SwiGLU experts without biases.
 # "gpt_oss": top-k over the logits, softmax over the k; router and expert biases; clamped SwiGLU.
-MOE_KINDS = ("qwen3", "gpt_oss")
+# "deepseek": float32 sigmoid scores, a selection-only bias, group-limited top-k, scaled weights, shared experts.
+MOE_KINDS = ("qwen3", "gpt_oss", "deepseek")
+# "gqa": per-head queries, keys and values (num_kv_heads key heads); "mla": multi-head latent attention
+# (models/mla.py): one latent key head of kv_lora_rank + head_dim (the decoupled RoPE part) per token.
+ATTENTION_KINDS = ("gqa", "mla")
 
 
 @dataclasses.dataclass
@@ -59,6 +63,17 @@ class DecoderConfig:
     moe_kind: str = "qwen3"
     norm_topk_prob: bool = True  # qwen3: renormalise the k chosen probabilities to sum to 1
     swiglu_limit: float = 7.0  # gpt_oss
+    n_group: int = 1  # deepseek: expert groups; topk_group of them are searched for each token's experts
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # deepseek: the routed experts' weights times this
+    n_shared_experts: int = 0  # deepseek: always-on experts, one MLP of n_shared_experts * moe_intermediate_size
+    # -- multi-head latent attention (attention_kind "mla"; head_dim is then the RoPE part of a query/key head) --
+    attention_kind: str = "gqa"
+    q_lora_rank: int | None = None  # None: queries by one projection; else a low-rank pair with a norm between
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the RoPE part's dimensions rotate in adjacent pairs (DeepSeek)
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -80,7 +95,8 @@ class DecoderConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"DecoderConfig.head_dim = {self.head_dim}: RoPE needs an even head_dim")
-        for name, allowed in (("dtype", tuple(DTYPES)), ("norm", NORMS), ("hidden_act", ACTIVATIONS), ("moe_kind", MOE_KINDS)):
+        for name, allowed in (("dtype", tuple(DTYPES)), ("norm", NORMS), ("hidden_act", ACTIVATIONS), ("moe_kind", MOE_KINDS),
+                              ("attention_kind", ATTENTION_KINDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"DecoderConfig.{name} = {getattr(self, name)!r}: use one of {', '.join(allowed)}")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window <= 0):
@@ -108,6 +124,37 @@ class DecoderConfig:
                 raise ValueError(f"DecoderConfig.{name} = {value!r}: must be a positive finite number")
         if self.rope_scaling is not None:
             self.rope_scaling_rule  # noqa: B018 (validates)
+        if self.moe_kind == "deepseek":
+            for name in ("n_group", "topk_group"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"DecoderConfig.{name} = {value!r}: must be a positive integer")
+            if self.num_experts and (self.num_experts % self.n_group or self.topk_group > self.n_group
+                                     or self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group)):
+                raise ValueError(
+                    f"DecoderConfig: {self.num_experts} experts in n_group={self.n_group} groups, topk_group="
+                    f"{self.topk_group}, num_experts_per_tok={self.num_experts_per_tok}: the groups must split the "
+                    "experts evenly and the chosen groups hold at least num_experts_per_tok experts"
+                )
+            if self.num_experts and self.num_experts // self.n_group < 2:
+                raise ValueError(f"DecoderConfig: n_group={self.n_group} leaves fewer than 2 experts per group "
+                                 "(a group's score is its top-2 sum); use fewer groups")
+        for name in ("routed_scaling_factor",):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
+                raise ValueError(f"DecoderConfig.{name} = {value!r}: must be a positive finite number")
+        if isinstance(self.n_shared_experts, bool) or not isinstance(self.n_shared_experts, int) or self.n_shared_experts < 0:
+            raise ValueError(f"DecoderConfig.n_shared_experts = {self.n_shared_experts!r}: must be 0 or a positive integer")
+        if self.attention_kind == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim") + (("q_lora_rank",) if self.q_lora_rank is not None else ()):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"DecoderConfig.{name} = {value!r}: multi-head latent attention needs a positive integer")
+            if self.num_kv_heads != 1:
+                raise ValueError(f"DecoderConfig: attention_kind='mla' attends one latent key head, so num_kv_heads must "
+                                 f"be 1, not {self.num_kv_heads}")
+            if self.qk_norm or self.attention_sinks or self.sliding_window is not None:
+                raise ValueError("DecoderConfig: attention_kind='mla' has no qk_norm, sinks or sliding windows; turn them off")
 
     # -- per-layer structure ---------------------------------------------------------------------------
     def window(self, layer: int) -> int | None:
@@ -139,6 +186,14 @@ class DecoderConfig:
 
     @property
     def attention_scale(self) -> float:
+        """The softmax scale. MLA: (qk_nope_head_dim + head_dim) ** -0.5, times YaRN's mscale(factor,
+        mscale_all_dim) squared when the scaling names mscale_all_dim (DeepSeek)."""
+        if self.attention_kind == "mla":
+            scale = (self.qk_nope_head_dim + self.head_dim) ** -0.5
+            rule = self.rope_scaling_rule
+            if rule is not None and rule.rope_type != "default" and rule.mscale_all_dim and rule.factor > 1:
+                scale *= (0.1 * rule.mscale_all_dim * math.log(rule.factor) + 1.0) ** 2
+            return scale
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 
     @property

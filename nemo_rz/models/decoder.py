@@ -46,6 +46,8 @@ class KVCache:
     A full-attention layer has a slot for every position (`max_len`); a sliding-window layer may have fewer: a
     ring that keeps the last window's keys and those of the tokens one step writes (Decoder.new_cache). A key
     the window no longer sees may be overwritten: its slot is masked out (exact zero weight) wherever it is read.
+    A multi-head latent attention model (models/mla.py) caches one latent row per token, [num_seqs, 1, slots,
+    kv_lora_rank + head_dim], held once: `v[layer] is k[layer]`.
 
     Any `nemo_rz.protocols.KVCacheProtocol` (write the new tokens' keys/values, view what `ops.attention` reads)
     can serve as `Tokens.cache`; the vLLM backend passes one over vLLM's paged cache.
@@ -74,15 +76,17 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, t: "Tokens") -> None:
         k_all, v_all = self.k[layer], self.v[layer]
-        slots = k_all.shape[2]
+        slots, shared = k_all.shape[2], v_all is k_all  # shared: one latent tensor (multi-head latent attention)
         if t.cache_rows is None:
             pos = t.positions % slots if slots < self.max_len else t.positions
             k_all[t.seq_idx, :, pos] = k.to(k_all.dtype)
-            v_all[t.seq_idx, :, pos] = v.to(v_all.dtype)
+            if not shared:
+                v_all[t.seq_idx, :, pos] = v.to(v_all.dtype)
         else:
             dim, rows = k.shape[-1], t.cache_rows[slots]
             k_all.view(-1, dim).index_copy_(0, rows, k.reshape(-1, dim).to(k_all.dtype))
-            v_all.view(-1, dim).index_copy_(0, rows, v.reshape(-1, dim).to(v_all.dtype))
+            if not shared:
+                v_all.view(-1, dim).index_copy_(0, rows, v.reshape(-1, dim).to(v_all.dtype))
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, None]:
         return self.k[layer], self.v[layer], None
@@ -266,11 +270,14 @@ class Decoder(nn.Module):
             ring = window - 1 + step_tokens
             return min(max_len, ring + (-ring) % ops.KV_BLOCK)
 
-        shapes = [(num_seqs, cfg.num_kv_heads, slots(w), cfg.head_dim) for w in cfg.windows()]
+        latent = cfg.attention_kind == "mla"  # one latent row per token (models/mla.py): keys and values alike
+        dim = cfg.kv_lora_rank + cfg.head_dim if latent else cfg.head_dim
+        shapes = [(num_seqs, cfg.num_kv_heads, slots(w), dim) for w in cfg.windows()]
         def make():
             return [torch.zeros(shape, dtype=cfg.torch_dtype, device=dev) for shape in shapes]
 
-        return KVCache(make(), make(), max_len, cfg.windows())
+        k = make()
+        return KVCache(k, list(k) if latent else make(), max_len, cfg.windows())
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, seq_idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run query tokens of any mix of sequences against (and into) `cache`; returns hidden [N, hidden]."""

@@ -247,9 +247,11 @@ def _owned(t: torch.Tensor, cfg: DecoderConfig, like: torch.Tensor | None) -> to
     # An owned copy: get_tensor's result can sit inside the file's buffer, off the 64-byte alignment that
     # row-invariant BLAS paths and fast SIMD loads expect (and tied to a mapping of the file). In the layout of
     # the parameter `like` it becomes (a Linear weight's [K, N] storage, models/layers.py), where there is one.
+    # A float32 parameter of a bfloat16 model (DeepSeek's e_score_correction_bias) stays float32.
+    dtype = torch.float32 if like is not None and like.dtype == torch.float32 else cfg.torch_dtype
     if like is not None and tuple(like.shape) == tuple(t.shape):
-        return laid_out_like(t, like, cfg.torch_dtype)
-    return t.to(cfg.torch_dtype).clone(memory_format=torch.contiguous_format)
+        return laid_out_like(t, like, dtype)
+    return t.to(dtype).clone(memory_format=torch.contiguous_format)
 
 
 def _where(files: list[Path]) -> str:

@@ -295,7 +295,7 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
     if window is None or local_theta == theta and scaling is None:
         local_theta = None  # no sliding layer, or they rotate as the full ones
     try:
-        return DecoderConfig(
+        return DecoderConfig(**{**dict(
             vocab_size=read_int(d, "vocab_size", source, required=True),
             hidden_size=hidden,
             intermediate_size=read_int(d, "intermediate_size", source, required=True),
@@ -315,9 +315,8 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
             sliding_window=window,
             layer_types=layer_types,
             dtype=_dtype(d, dtype),
-            **extra,
             **_moe(d, source, fam, layers),
-        )
+        ), **extra})  # a family's own keys win (multi-head latent attention sets num_kv_heads and head_dim)
     except ModelFileError:
         raise
     except ValueError as e:
@@ -377,7 +376,8 @@ def _structure(cfg: DecoderConfig) -> dict:
     d.update(windows=cfg.windows(), ropes=[cfg.rope(i) for i in range(cfg.num_layers)],
              moe=[cfg.is_moe(i) for i in range(cfg.num_layers)])
     if not cfg.num_experts:
-        for key in ("num_experts_per_tok", "moe_intermediate_size", "moe_kind", "norm_topk_prob", "swiglu_limit"):
+        for key in ("num_experts_per_tok", "moe_intermediate_size", "moe_kind", "norm_topk_prob", "swiglu_limit",
+                    "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts"):
             d.pop(key)
     if cfg.query_pre_attn_scalar is None:
         d["query_pre_attn_scalar"] = float(cfg.head_dim)

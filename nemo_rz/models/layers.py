@@ -120,16 +120,27 @@ def attend(cfg: DecoderConfig, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
     [N, Hkv, D] -> [N, H, D]. H may be a slice of the model's heads (a tensor-parallel rank's; `sinks` then the
     same slice): the arithmetic of a head does not depend on the others. The one attention both the built-in
     Decoder and the Megatron learner's layer spec run."""
-    rope, window = cfg.rope(layer), cfg.window(layer)
-    q = ops.rope(q, t.positions, rope[0], t.ropes[rope])
-    k = ops.rope(k, t.positions, rope[0], t.ropes[rope])
+    return attend_rotated(cfg, layer, rotated(cfg, layer, q, t), rotated(cfg, layer, k, t), v, t, sinks)
+
+
+def rotated(cfg: DecoderConfig, layer: int, x: torch.Tensor, t) -> torch.Tensor:
+    """x [N, heads, D] rotated by layer `layer`'s RoPE at the positions of `t`."""
+    rope = cfg.rope(layer)
+    return ops.rope(x, t.positions, rope[0], t.ropes[rope])
+
+
+def attend_rotated(cfg: DecoderConfig, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`attend` after RoPE: q [N, H, D], k [N, Hkv, D] already rotated, v [N, Hkv, D] (for multi-head latent
+    attention, models/mla.py, k and v are one latent tensor) -> [N, H, D]; the keys/values go to the cache."""
+    window = cfg.window(layer)
     if t.attend is not None:  # attention computed elsewhere: over context-parallel ranks (parallel/context.py)
         return t.attend(q, k, v, cfg.attention_scale)
     if t.cache is None:
         b, length = t.dense
         pad = (-length) % ops.KV_BLOCK
-        k_all = F.pad(k.view(b, length, -1, cfg.head_dim), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
-        v_all = F.pad(v.view(b, length, -1, cfg.head_dim), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+        k_all = F.pad(k.view(b, length, -1, k.shape[-1]), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
+        v_all = k_all if v is k else F.pad(v.view(b, length, -1, v.shape[-1]), (0, 0, 0, 0, 0, pad)).transpose(1, 2)
         table = None
     else:
         t.cache.write(layer, k, v, t)
@@ -169,13 +180,22 @@ def mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
     return moe.KINDS[cfg.moe_kind](cfg)
 
 
+def attention(cfg: DecoderConfig, layer: int) -> nn.Module:
+    """Layer `layer`'s attention: GQA, or multi-head latent attention (models/mla.py)."""
+    if cfg.attention_kind == "mla":
+        from nemo_rz.models.mla import LatentAttention
+
+        return LatentAttention(cfg, layer)
+    return Attention(cfg, layer)
+
+
 class Block(nn.Module):
     """Pre-norm layer: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
         self.input_layernorm = norm(cfg)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = attention(cfg, layer)
         self.post_attention_layernorm = norm(cfg)
         self.mlp = mlp(cfg, layer)
 

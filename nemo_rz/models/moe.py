@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs, the two routing families: Qwen3-MoE and gpt-oss.
+"""Mixture-of-experts MLPs, the three routing families: Qwen3-MoE, gpt-oss and DeepSeek-V3.
 
 Both run the same consistent pipeline: float32 router logits (ops.linear on float32 activations, whatever the
 model dtype), deterministic top-k (ops.route_topk: ties go to the lower expert index), the family's weight
@@ -9,7 +9,14 @@ and output are the same bits in any batch: the learner recomputes the rollout's 
 
 Expert weights are stacked 3-D parameters under transformers' (v5) names: Qwen3-MoE `experts.gate_up_proj`
 [E, 2I, H] (gate rows, then up rows) and `experts.down_proj` [E, H, I]; gpt-oss `experts.gate_up_proj`
-[E, H, 2I] (gate and up interleaved), `experts.down_proj` [E, I, H] and their biases.
+[E, H, 2I] (gate and up interleaved), `experts.down_proj` [E, I, H] and their biases. DeepSeek-V3's experts
+are Qwen3-MoE's layout, beside `gate.weight`, `gate.e_score_correction_bias` and `shared_experts.*`.
+
+DeepSeek routing (`route`, moe_kind "deepseek"): scores = sigmoid(float32 logits); the selection adds
+e_score_correction_bias (never the weights) and is group-limited (ops.route_grouped_topk: ties to the lower
+group, then the lower expert index); the weights are the chosen unbiased scores, renormalised (when
+norm_topk_prob) by their sum taken in increasing expert index, then times routed_scaling_factor; the shared
+experts' output is added once, after the routed combine.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ from torch import nn
 from nemo_rz import ops
 from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.families import gpt_oss, qwen3_moe
-from nemo_rz.models.layers import Linear
+from nemo_rz.models.layers import MLP, Linear
 from nemo_rz.ops.weight_cache import derived
 
 
@@ -39,10 +46,14 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return ops.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
-def route(cfg: DecoderConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route(cfg: DecoderConfig, logits: torch.Tensor,
+          selection_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The family's routing of float32 router logits [N, E] -> (weights [N, k] float32, experts [N, k]).
     qwen3: softmax over all experts, top-k, renormalised when norm_topk_prob; gpt_oss: top-k over the logits,
-    softmax over the k chosen. (The Megatron learner's router runs this too: runtime/megatron/moe.py.)"""
+    softmax over the k chosen; deepseek: see the module docstring (selection_bias: e_score_correction_bias).
+    (The Megatron learner's router runs this too: runtime/megatron/moe.py.)"""
+    if cfg.moe_kind == "deepseek":
+        return _deepseek_route(cfg, logits, selection_bias)
     if cfg.moe_kind == gpt_oss.FAMILY.moe_kind:
         top, experts = ops.route_topk(logits, cfg.num_experts_per_tok)
         return ops.softmax(top), experts
@@ -50,6 +61,17 @@ def route(cfg: DecoderConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch
     if cfg.norm_topk_prob:
         weights = weights / _row_sum(weights)
     return weights, experts
+
+
+def _deepseek_route(cfg: DecoderConfig, logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = ops.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.float()
+    experts = ops.route_grouped_topk(choice, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group)
+    weights = scores.gather(1, experts)
+    if cfg.norm_topk_prob:
+        by_index = torch.sort(experts, dim=1, stable=True)[1]  # the sum in increasing expert index
+        weights = weights / (_row_sum(weights.gather(1, by_index)) + 1e-20)
+    return weights * cfg.routed_scaling_factor, experts
 
 
 def _pairs(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,4 +191,35 @@ class GptOssMoe(_Routed):
         return route(self.cfg, router_logits(x, self.router.weight, self.router.bias))
 
 
-KINDS = {qwen3_moe.FAMILY.moe_kind: Qwen3Moe, gpt_oss.FAMILY.moe_kind: GptOssMoe}  # the families' moe_kind
+class DeepseekRouter(nn.Module):
+    """DeepSeek's router: `weight` [E, H] and the float32 `e_score_correction_bias` [E] (selection only; set by
+    the checkpoint's load balancing, not by gradients: a parameter without requires_grad, so it travels with
+    the weights)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.weight = nn.Parameter(nn.init.normal_(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=cfg.torch_dtype), std=0.02))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32), requires_grad=False)
+
+
+class DeepseekMoe(_Routed):
+    """Routed experts (Qwen3-MoE's layout) under DeepSeek routing, plus the always-on shared experts."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = DeepseekRouter(cfg)
+        self.experts = Qwen3MoeExperts(cfg)
+        if cfg.n_shared_experts:
+            self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(self.cfg, router_logits(x, self.gate.weight, None), self.gate.e_score_correction_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = super().forward(x)
+        return routed + self.shared_experts(x) if self.cfg.n_shared_experts else routed
+
+
+# the families' moe_kind
+KINDS = {qwen3_moe.FAMILY.moe_kind: Qwen3Moe, gpt_oss.FAMILY.moe_kind: GptOssMoe, "deepseek": DeepseekMoe}

@@ -11,7 +11,7 @@ from nemo_rz.ops.attention import ATTN_TILE_ROWS, KV_BLOCK, AttentionPlan, atten
 from nemo_rz.ops.kernel_set import KERNELS, get_kernels, set_kernels, use_kernels
 from nemo_rz.ops.linear import embedding, linear
 from nemo_rz.ops.logprobs import lm_head_logprobs, log_softmax, probabilities, token_logprobs
-from nemo_rz.ops.moe import expert_linear, moe_combine, route_topk, softmax
+from nemo_rz.ops.moe import expert_linear, moe_combine, route_grouped_topk, route_topk, sigmoid, softmax
 from nemo_rz.ops.norm import rms_norm
 from nemo_rz.ops.rope import rope, rope_cos_sin
 from nemo_rz.ops.tiles import TILE_ROWS
@@ -20,6 +20,6 @@ from nemo_rz.ops.weight_cache import forget_weight_copies
 __all__ = [
     "ATTN_TILE_ROWS", "AttentionPlan", "KV_BLOCK", "TILE_ROWS", "attention", "batch_invariant", "clamped_swiglu", "embedding",
     "expert_linear", "forget_weight_copies", "gelu_tanh_and_mul", "get_kernels", "KERNELS", "linear", "lm_head_logprobs",
-    "log_softmax", "moe_combine", "probabilities", "rms_norm", "rope", "rope_cos_sin", "route_topk", "set_kernels", "silu_and_mul",
-    "softmax", "token_logprobs", "use_kernels",
+    "log_softmax", "moe_combine", "probabilities", "rms_norm", "rope", "rope_cos_sin", "route_grouped_topk", "route_topk",
+    "set_kernels", "sigmoid", "silu_and_mul", "softmax", "token_logprobs", "use_kernels",
 ]

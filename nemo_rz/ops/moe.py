@@ -42,6 +42,52 @@ def _library_softmax(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """Element-wise sigmoid of x [N, E] in float32 (DeepSeek's router scores); each row's bits never depend on
+    the other rows (a probed row-wise library route, else fixed row tiles, as `softmax`)."""
+    if not consistent():
+        return torch.sigmoid(x.float())
+    dt = compute_dtype(x)
+    rows = x if x.dtype == dt else x.to(dt)
+    route = rowwise_route("sigmoid", torch.sigmoid, x.shape[-1], dt, x.device)
+    if route is not None:
+        return by_rows(torch.sigmoid, rows, route)
+    return from_tiles(torch.sigmoid(to_tiles(rows)), rows.shape[0])
+
+
+def route_grouped_topk(choice: torch.Tensor, k: int, n_group: int, topk_group: int) -> torch.Tensor:
+    """DeepSeek's group-limited selection: the experts [N, k] of each row of choice [N, E] (float32 selection
+    scores, E = n_group groups of E / n_group consecutive experts). A group's score is the sum of its two
+    largest choices (larger first); the topk_group best groups are kept; the k largest choices among their
+    experts win. Consistent: stable descending sorts, so a tie goes to the lower group index, then to the lower
+    expert index, whatever the batch; experts are returned by choice descending. Fast: torch.topk (unspecified
+    tie order), as the reference implementation."""
+    if choice.dim() != 2 or choice.shape[1] % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"route_grouped_topk: choice must be [N, E] with E divisible by n_group={n_group} and "
+                         f"1 <= topk_group <= n_group, got {tuple(choice.shape)} and topk_group={topk_group}")
+    n, e = choice.shape
+    per = e // n_group
+    if not 1 <= k <= topk_group * per or per < 2:
+        raise ValueError(f"route_grouped_topk: k={k} experts from {topk_group} groups of {per} (need 2 <= group size "
+                         "and k <= topk_group * group size)")
+    if not bool(torch.isfinite(choice).all()):
+        raise ValueError("route_grouped_topk: router scores hold NaN or inf; check the router weights and the hidden states")
+    grouped = choice.view(n, n_group, per)
+    if not consistent():
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        groups = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()
+        masked = choice.masked_fill(~mask.repeat_interleave(per, dim=1), float("-inf"))
+        return torch.topk(masked, k, dim=-1, sorted=False)[1]
+    top2 = torch.sort(grouped, dim=-1, descending=True, stable=True)[0]
+    group_scores = top2[..., 0] + top2[..., 1]
+    groups = torch.sort(group_scores, dim=-1, descending=True, stable=True)[1][:, :topk_group]
+    groups = torch.sort(groups, dim=-1)[0]  # the kept groups by index: their experts in increasing index below
+    candidates = (groups.unsqueeze(-1) * per + torch.arange(per, device=choice.device)).reshape(n, topk_group * per)
+    order = torch.sort(choice.gather(1, candidates), dim=-1, descending=True, stable=True)[1][:, :k]
+    return candidates.gather(1, order)
+
+
 def route_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of each row of scores [N, E] -> (values [N, k] float32, experts [N, k] int64), by value
     descending; among equal values the lower expert index comes first (and wins the last place)."""

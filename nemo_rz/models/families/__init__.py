@@ -34,7 +34,7 @@ def unregister(architecture: str) -> None:
 
 
 # the order messages list them in (the most used first); modules not named here follow, by name
-_ORDER = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "gpt_oss", "gemma3")
+_ORDER = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "gpt_oss", "gemma3", "deepseek_v3")
 for _info in sorted(pkgutil.iter_modules(__path__),
                     key=lambda m: (m.name not in _ORDER, _ORDER.index(m.name) if m.name in _ORDER else 0, m.name)):
     if _info.name == "base":
@@ -52,7 +52,7 @@ def by_architecture(arch: str) -> Family | None:
 
 
 def by_model_type(mt: str) -> Family | None:
-    return next((f for f in TABLE.values() if f.model_type == mt), None)
+    return next((f for f in TABLE.values() if mt in getattr(f, "model_types", (f.model_type,))), None)
 
 
 def by_gguf_arch(name: str) -> Family | None:
