@@ -29,6 +29,7 @@ import torch
 from nemo_rz import ops
 from nemo_rz.generation.prefix_cache import PrefixCache
 from nemo_rz.generation.sampling import Completion, Request, SamplingParams, checked_requests, sample
+from nemo_rz.models import lora
 from nemo_rz.models.decoder import Decoder
 from nemo_rz.models.moe import recorded_routing
 
@@ -172,8 +173,9 @@ class RolloutEngine:
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int,
                        parts: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
         """Load new weights between generate calls; cached prefixes of the old weights are dropped. The step
-        policy takes its own from `parts` (runtime.weights.WeightsBundle.parts: a speculator, the draft's)."""
-        self.model.load_state_dict(state_dict, strict=True)
+        policy takes its own from `parts` (runtime.weights.WeightsBundle.parts: a speculator, the draft's). A model
+        with LoRA adapters (models/lora.py) takes a whole state dict or its adapters' tensors alone."""
+        lora.load_weights(self.model, state_dict)  # whole, or a LoRA model's adapters alone (swapped in place)
         self.policy.load_weights(parts or {})
         if self.prefix_cache is not None:
             self.prefix_cache.clear()

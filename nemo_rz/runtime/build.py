@@ -8,7 +8,7 @@ import torch
 
 from nemo_rz import ops, schema
 from nemo_rz.algorithms.draft import DraftTrainer
-from nemo_rz.models import Decoder, DecoderConfig
+from nemo_rz.models import Decoder, DecoderConfig, lora
 from nemo_rz.models.draft import DraftHead, load_draft
 from nemo_rz.protocols import RuntimeBackendProtocol
 from nemo_rz.quant.apply import Precision, apply_precision
@@ -35,7 +35,7 @@ def build(cfg: schema.Config) -> Parts:
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.model)
     precision = build_precision(cfg.precision, cfg.runtime.learner)
-    model = apply_precision(build_model(cfg.model, task.tokenizer), precision)
+    model = build_lora(cfg.lora, apply_precision(build_model(cfg.model, task.tokenizer), precision), cfg.seed)
     learner = build_learner(model, cfg.algo, cfg.runtime.learner, cfg.megatron, cfg.seed, precision)
     max_model_len = model_len(model, task, cfg.algo.max_new_tokens)  # every prompt checked, before work
     draft = build_draft(cfg.draft, cfg.algo.grad_clip, cfg.generation.backend, learner, model)
@@ -88,6 +88,20 @@ def build_model(m: schema.ModelSection, tok: Tokenizer) -> Decoder:
         attention_sinks=m.attention_sinks, num_experts=m.num_experts,
         num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
     ))
+
+
+def build_lora(spec: schema.LoraSection, model: Decoder, seed: int) -> Decoder:
+    """lora.rank > 0: adapters on the lora.modules of the (possibly quantized) model, the rest frozen; from the PEFT
+    adapter at lora.init_from if set."""
+    if not spec.rank:
+        if spec.init_from is not None:
+            raise ValueError(f"lora.init_from = {spec.init_from}: set lora.rank (and alpha, modules) to the adapter's")
+        return model
+    # bad modules are one line here
+    lora.apply_lora(model, lora.LoraSpec(spec.rank, spec.alpha, spec.rslora, spec.modules), seed)
+    if spec.init_from is not None:
+        lora.init_from(model, spec.init_from)
+    return model
 
 
 def build_learner(model: Decoder, a: schema.AlgoSection, kind: str, meg: schema.MegatronSection, seed: int,
@@ -143,6 +157,7 @@ def worker_kwargs(cfg: schema.Config, parts: Parts) -> dict:
         draft=None if draft is None else dict(aux_layers=list(draft.draft.aux_layers), num_layers=len(draft.draft.layers),
                                               k=draft.k, vocab_size=draft.draft.vocab.numel()),
         precision=parts.precision.as_dict(),
+        lora=parts.model.lora_spec.as_dict() if lora.adapted(parts.model) else None,
     )
 
 

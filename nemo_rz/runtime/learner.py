@@ -35,6 +35,11 @@ def weight_norm(model: torch.nn.Module) -> float:
     return math.sqrt(total)
 
 
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer holds: all of them, or a LoRA model's adapters alone (models/lora.py)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 class Learner:
     def __init__(self, model: Decoder, lr: float, grad_clip: float | None, temperature: float, loss: str,
                  correction: str, correction_params: dict):
@@ -46,7 +51,7 @@ class Learner:
         except ValueError as e:
             raise ValueError(f"algo.correction_params: {e}") from None
         self.model, self.lr = model, lr
-        self.opt = torch.optim.Adam(model.parameters(), lr=lr)
+        self.opt = torch.optim.Adam(trainable(model), lr=lr)
         self.grad_clip, self.temperature, self.loss = grad_clip, temperature, loss
         self.correction, self.correction_params = correction, dict(correction_params)
         self.aux_losses: list[aux_loss.AuxLoss] = []  # fed by the RL forward's features (a co-trained draft)
@@ -55,11 +60,11 @@ class Learner:
     def supervised(self, lr: float):
         """Supervised (warm-up) steps inside the block use their own Adam at `lr`; RL then starts with a fresh
         one, since warm-up moments would otherwise steer the first RL updates."""
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.opt = torch.optim.Adam(trainable(self.model), lr=lr)
         try:
             yield
         finally:
-            self.opt = torch.optim.Adam(self.model.parameters(), lr=self.lr)
+            self.opt = torch.optim.Adam(trainable(self.model), lr=self.lr)
 
     def add_aux_loss(self, loss: aux_loss.AuxLoss) -> None:
         if any(a.name == loss.name for a in self.aux_losses):
@@ -92,8 +97,10 @@ class Learner:
             g["lr"] = lr
 
     def state_dict_copy(self) -> dict[str, torch.Tensor]:
-        """A snapshot of the policy's current weights (a published version must not change under a reader)."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """A snapshot of the policy's current weights (a published version must not change under a reader); frozen
+        parameters (a LoRA base) never change, so every version shares them uncopied."""
+        frozen = {k for k, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return {k: v.detach() if k in frozen else v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def weights(self, version: int) -> WeightsBundle:
         """What version `version` ships: the policy's snapshot, and each auxiliary loss's weights (a draft's)."""

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from nemo_rz.runtime.jobs import Job, Result, decode_completions
 from nemo_rz.runtime.restarts import HEARTBEAT_S, STARTUP_S, RestartBudget, check_heartbeat, one_line
-from nemo_rz.runtime.weights import SharedWeightRing
+from nemo_rz.runtime.weights import SharedWeightRing, WeightsBundle
 
 _PR_SET_PDEATHSIG = 1
 
@@ -101,7 +101,8 @@ class LocalBackend:
         self.ctx = mp.get_context("spawn")
         self.heartbeat_s = check_heartbeat(heartbeat_s)
         self.warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.ring = SharedWeightRing(initial_weights, ring_slots)
+        # a LoRA policy's base is held once and never sent again: a version ships its adapters
+        self.ring = SharedWeightRing(initial_weights, ring_slots, WeightsBundle.from_flat(initial_weights, -1).static_names())
         self.worker_kwargs, self.crash_at_batch = worker_kwargs, crash_at_batch
         n = num_workers
         self.procs, self.queues, self.results, self.beats, self.seen = [None] * n, [None] * n, [None] * n, [None] * n, [None] * n
@@ -135,8 +136,9 @@ class LocalBackend:
         for job in sorted(self.inflight[i].values(), key=lambda j: j.batch):
             self.queues[i].put(job)
 
-    def publish(self, version: int, state_dict) -> None:
-        self.ring.publish(version, state_dict)
+    def publish(self, version: int, state_dict) -> int:
+        """Put version `version` in the ring; returns the bytes it shipped."""
+        return self.ring.publish(version, state_dict)
 
     def submit(self, job: Job) -> None:
         i = min(range(len(self.procs)), key=lambda w: (len(self.inflight[w]), (w - self._next) % len(self.procs)))

@@ -264,6 +264,9 @@ def from_config(m: schema.MegatronSection, a: schema.AlgoSection, seed: int, mir
                 precision: dict | None = None) -> MegatronLearner:
     """The learner that `runtime.learner=megatron` asks for, from the `megatron` and `algo` sections of the typed
     config (nemo_rz.schema.typed), starting from `mirror`'s weights (rank 0 of the job), its linears at `precision`
-    (the `precision.*` the mirror and the rollout engines run)."""
+    (the `precision.*` the mirror and the rollout engines run). LoRA is refused: the Megatron layers carry no adapters."""
+    if getattr(mirror, "lora_spec", None) is not None:
+        raise ValueError("lora.rank > 0: LoRA runs on the built-in learner only (the Megatron learner's layers carry "
+                         "no adapters yet); use runtime.learner=builtin or lora.rank=0")
     return MegatronLearner(mirror, Layout.from_section(m), a.lr, a.grad_clip, a.temperature, a.loss, a.correction,
                            a.correction_params, seed=seed, precision=precision)
