@@ -29,7 +29,7 @@ _HERE = Path(__file__).resolve().parent
 # conf/ sits beside the package in a checkout and inside it (nemo_rz/conf) once installed from a wheel
 CONF_DIR = _HERE / "conf" if (_HERE / "conf" / "default.yaml").is_file() else _HERE.parent / "conf"
 DEFAULT = CONF_DIR / "default.yaml"
-OPEN_KEYS = ("task.options", "algo.correction_params")  # free-form: passed through to the task / correction
+OPEN_KEYS = ("task.options", "algo.correction_params", "model.extra")  # free-form: to the task / correction / DecoderConfig
 RUN_CONFIG = "config.yaml"  # the resolved config a run directory keeps
 
 

@@ -161,6 +161,7 @@ SCHEMA: dict[str, Key] = {
     "model.num_experts": Int(0, why="0 for a dense MLP", fixed=True),
     "model.num_experts_per_tok": Int(1, fixed=True),
     "model.moe_intermediate_size": Int(1, optional=True, null_means="for intermediate_size", fixed=True),
+    "model.extra": Key("mapping", fixed=True),
     "task.name": Choice(_registered("task"), why="plugins add more: docs/plugins.md", fixed=True),
     "task.options": Key("mapping", fixed=True),
     "task.chat_template": Choice(("auto", True, False), fixed=True),

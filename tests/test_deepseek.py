@@ -273,3 +273,57 @@ def _routing_diff(mode: str) -> int:
 def test_routing_is_recomputed_identically_and_differs_with_fast_kernels():
     assert _routing_diff("consistent") == 0
     assert _routing_diff("fast") > 0
+
+
+# -- training -----------------------------------------------------------------------------------------------
+def test_deepseek_tiny_preset_trains_with_zero_mismatch(tmp_path):
+    """`python -m nemo_rz.train --config deepseek_tiny` (latent attention, a dense first layer, 8 routed experts
+    in 2 groups, a shared expert) trains: every update's rollout logprobs and expert choices equal the
+    learner's. (The negative control, fast kernels differing on this model, is test_fast_mode_differs: one
+    more training run would cost ~15 s.)"""
+    rollout_kernels = "consistent"
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "nemo_rz.train", "--config", "deepseek_tiny", f"run_dir={run}", "algo.updates=3",
+           "warmup.steps=10", "algo.prompts_per_update=4", "algo.group_size=4", "eval.n=8", "eval.every=3",
+           "progress=false", "metrics.tensorboard=false", "metrics.decomposition_every=1", "checkpoint.every=3",
+           f"runtime.rollout_kernels={rollout_kernels}"]
+    proc = subprocess.run(cmd, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    saved = (run / "config.yaml").read_text()
+    assert "attention_kind: mla" in saved and "moe_kind: deepseek" in saved
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    assert all(r["kernel_diff_tokens"] == 0 and r["routing_diff_tokens"] == 0 and r["tokens"] > 0 for r in rows)
+
+
+def test_model_extra_keys_are_checked():
+    """model.extra passes DecoderConfig fields to a fresh model; a key the model section owns, or an unknown one,
+    is one clear error."""
+    from nemo_rz.config import load
+    from nemo_rz.runtime.build import build_model
+    from nemo_rz.schema import typed
+    from nemo_rz.tasks.tokenizer import CharTokenizer
+
+    def model(**extra):
+        return build_model(typed(load("deepseek_tiny", [f"model.extra={json.dumps(extra)}"])).model, CharTokenizer())
+
+    preset = build_model(typed(load("deepseek_tiny")).model, CharTokenizer())
+    assert preset.config.attention_kind == "mla" and preset.config.moe_layers == [1] and preset.config.n_shared_experts == 1
+    with pytest.raises(ValueError, match="model.extra.num_heads: the model section sets it; use model.num_heads"):
+        model(num_heads=2)
+    with pytest.raises(ValueError, match="unknown keys"):
+        model(kv_lora=8)
+
+
+def test_the_megatron_learner_refuses_the_family_in_one_line():
+    spec = pytest.importorskip("nemo_rz.runtime.megatron.spec")
+    for cfg in (_engine_model().config, _engine_model(moe_kind="qwen3").config, _engine_model(num_experts=0).config):
+        for fast in (False, True):
+            with pytest.raises(ValueError, match="the Megatron learner does not build latent attention or DeepSeek routing") as e:
+                spec.check_supported(cfg, fast)
+            assert "\n" not in str(e.value)
+    spec.check_supported(DecoderConfig(), False)  # the control: a plain model passes

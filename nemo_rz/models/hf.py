@@ -247,7 +247,7 @@ def _owned(t: torch.Tensor, cfg: DecoderConfig, like: torch.Tensor | None) -> to
     # An owned copy: get_tensor's result can sit inside the file's buffer, off the 64-byte alignment that
     # row-invariant BLAS paths and fast SIMD loads expect (and tied to a mapping of the file). In the layout of
     # the parameter `like` it becomes (a Linear weight's [K, N] storage, models/layers.py), where there is one.
-    # A float32 parameter of a bfloat16 model (DeepSeek's e_score_correction_bias) stays float32.
+    # A float32 tensor of a bfloat16 model (DeepSeek's e_score_correction_bias buffer) stays float32.
     dtype = torch.float32 if like is not None and like.dtype == torch.float32 else cfg.torch_dtype
     if like is not None and tuple(like.shape) == tuple(t.shape):
         return laid_out_like(t, like, dtype)
@@ -331,7 +331,7 @@ def load_hf(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> 
     with torch.device("meta"):  # no throw-away random init; the loaded tensors become the parameters
         model = Decoder(cfg)
     state = _load_tensors(files, model, arch, d.get("quantization_config"), headers)
-    model.load_state_dict(state, strict=True, assign=True)  # strict: every parameter replaced (Decoder has no buffers)
+    model.load_state_dict(state, strict=True, assign=True)  # strict: every parameter (and DeepSeek's bias buffer) replaced
     return model.eval()
 
 

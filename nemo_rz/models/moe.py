@@ -193,13 +193,13 @@ class GptOssMoe(_Routed):
 
 class DeepseekRouter(nn.Module):
     """DeepSeek's router: `weight` [E, H] and the float32 `e_score_correction_bias` [E] (selection only; set by
-    the checkpoint's load balancing, not by gradients: a parameter without requires_grad, so it travels with
-    the weights)."""
+    the checkpoint's load balancing, not by gradients: a buffer, as in transformers, that travels with the
+    weights in the state dict)."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.weight = nn.Parameter(nn.init.normal_(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=cfg.torch_dtype), std=0.02))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32), requires_grad=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
 
 
 class DeepseekMoe(_Routed):

@@ -79,7 +79,7 @@ def build_model(m: schema.ModelSection, tok: Tokenizer) -> Decoder:
                              f"is smaller than the task tokenizer's {tok.vocab_size}")
         return model
     window, pattern = m.sliding_window, m.sliding_window_pattern
-    return Decoder(DecoderConfig(
+    keys = dict(
         vocab_size=tok.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
         num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm,
         max_position_embeddings=m.max_position_embeddings, sliding_window=window,
@@ -87,7 +87,12 @@ def build_model(m: schema.ModelSection, tok: Tokenizer) -> Decoder:
         ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(m.num_layers)],
         attention_sinks=m.attention_sinks, num_experts=m.num_experts,
         num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
-    ))
+    )
+    extra = dict(m.extra or {})
+    clash = sorted(set(extra) & set(keys))
+    if clash:
+        raise ValueError(f"model.extra.{clash[0]}: the model section sets it; use model.{clash[0]} instead")
+    return Decoder(DecoderConfig.from_dict({**keys, **extra}))
 
 
 def build_lora(spec: schema.LoraSection, model: Decoder, seed: int) -> Decoder:

@@ -52,6 +52,10 @@ FAST_REFUSED = {
 
 
 def check_supported(cfg: DecoderConfig, fast: bool) -> None:
+    if cfg.attention_kind != "gqa" or cfg.moe_kind == "deepseek":
+        raise ValueError(f"model attention_kind = {cfg.attention_kind!r}, moe_kind = {cfg.moe_kind!r} (the DeepSeek-V3 "
+                         "family): the Megatron learner does not build latent attention or DeepSeek routing yet; use "
+                         "runtime.learner=builtin for this model")
     moe.check(cfg, fast)
     plain = DecoderConfig(**{k: getattr(cfg, k) for k in SUPPORTED})  # the same model without other features
     for f in dataclasses.fields(cfg):
