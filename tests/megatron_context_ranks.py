@@ -4,7 +4,8 @@ Both ranks: a MegatronPolicy's logprobs of a batch of sequences of different len
 block, so their attention crosses the ranks) and of one short sequence (rank 1 holds no token of it); the
 parameter gradients of a fixed weighting of the logprobs, twice; then the same with the ring's partials merged in
 arrival order (the negative control), and the refusals (fast kernels, a sliding window). Then a learner update
-(rank 0 drives, rank 1 follows), and one with a co-trained draft. Rank 0 saves what both ranks got to argv[1]."""
+(rank 0 drives, rank 1 follows), and one with a co-trained draft (each rank training its copy on its own tokens),
+then again without the draft's branch attention. Rank 0 saves what both ranks got to argv[1]."""
 import sys
 
 import torch
@@ -18,7 +19,7 @@ from nemo_rz.generation.packing import Packed
 from nemo_rz.models.draft import DraftHead
 from nemo_rz.parallel import context as ring
 from nemo_rz.parallel.tensor import gather_parts
-from nemo_rz.runtime.megatron import context, distributed
+from nemo_rz.runtime.megatron import distributed
 from nemo_rz.runtime.megatron.layout import Layout
 from nemo_rz.runtime.megatron.learner import MegatronLearner
 from nemo_rz.runtime.megatron.model import MegatronPolicy
@@ -53,9 +54,10 @@ def learner(mirror, layout: Layout) -> MegatronLearner:
 
 
 def draft(mirror) -> DraftTrainer:
-    """A co-trained draft reading both layers (their outputs are on every rank's tokens) and the final norm."""
+    """A co-trained draft reading both layers (their outputs are on every rank's tokens) and the final norm, three
+    training-time-test steps."""
     torch.manual_seed(5)
-    return DraftTrainer(DraftHead(mirror.config, (0, 1), num_layers=1), "cotrain", 1e-3, 1.0, steps=2, k=3, grad_clip=1.0)
+    return DraftTrainer(DraftHead(mirror.config, (0, 1), num_layers=1), "cotrain", 1e-3, 1.0, steps=3, k=3, grad_clip=1.0)
 
 
 def policy(m, mode: str = "consistent") -> MegatronPolicy:
@@ -80,16 +82,36 @@ def _arrival_order(n_rows, parts):
     return values.new_zeros(n_rows, values.shape[-1]).index_add_(0, dest, values)
 
 
-_batch_rows = context.ContextParallel.batch_rows
+def _without_branch(q, keys, values, scale, shard, group):
+    """parallel.context.draft_attention without the rank-local branch: the negative control, each step s > 1 of
+    the training-time test attending over the ring to its own step's entries only."""
+    return ring.ring_attention(q, keys[-1], values[-1], shard, scale, group)
 
 
-def _rank_order(self, x):
-    """ContextParallel.batch_rows with every rank's rows put back one rank after the other, in the packed row's
-    first tokens (the zigzag shard ignored): the same collectives, other rows."""
-    shard, rows, _, _ = self.forward_layout
-    out = _batch_rows(self, x)
-    order = torch.cat([ring.ZigzagShard(shard.cu_seqlens, shard.world, q).index for q in range(shard.world)])
-    return torch.zeros_like(out).index_copy(0, rows, out[rows][order])
+_draft_attention = ring.draft_attention
+
+
+def _cotrained(tag: str):
+    """One learner update over the 2 ranks with a co-trained draft, rank 0 driving: every rank's draft weights
+    (rank 0's trainer, rank 1's copy) and rank 0's metrics and draft gradients."""
+    rank = dist.get_rank()
+    with ops.use_kernels("consistent"):
+        if rank:
+            trainer = MegatronLearner.follow().draft
+            got = {}
+        else:
+            mirror = model()
+            lrn = learner(mirror, Layout(cp=2))
+            lrn.add_aux_loss(draft(mirror))
+            metrics, _ = lrn.rl_step(*rl_batch())
+            trainer = lrn.draft
+            got = {f"{tag}_metrics": {k: v for k, v in metrics.items() if k.startswith("draft")},
+                   f"{tag}_grads": {n: q.grad.clone() for n, q in trainer.draft.named_parameters()}}
+            lrn.stop()
+    weights = [None, None]
+    dist.all_gather_object(weights, trainer.shipped())
+    got[f"{tag}_weights"] = weights
+    return got
 
 
 def _refusal(fn) -> str:
@@ -121,11 +143,11 @@ def main(out: str) -> None:
     got["short_lp"], got["short_grads"] = gather_parts(short_lp), short_grads
     # A tap of layer 0's output (what an auxiliary loss reads), put back in the batch's rows on every rank.
     tapped = []
-    hook = p.gpt.decoder.layers[0].register_forward_hook(lambda _m, _a, out: tapped.append(p.context.batch_rows(out[0])))
+    hook = p.gpt.decoder.layers[0].register_forward_hook(lambda _m, _a, out: tapped.append(p.context.local_rows(out[0])))
     with torch.no_grad():
         p.token_logprobs(ids, lengths)
     hook.remove()
-    got["layer0_rows"] = gather_parts(tapped[0])
+    got["layer0_rows"] = gather_parts(p.context.forward_layout.gather(tapped[0]))  # each rank's own, in row order
     mask = torch.rand(len(LENGTHS), max(LENGTHS) - 1, generator=torch.Generator().manual_seed(5)) < 0.5
     with torch.no_grad():
         got["masked_lp"] = p.token_logprobs(ids, lengths, mask=mask)
@@ -142,11 +164,10 @@ def main(out: str) -> None:
     got["fast_refused"] = _refusal(lambda: policy(m, "fast"))
     got["window_refused"] = _refusal(lambda: MegatronPolicy(tiny_model(0, vocab_size=VOCAB, sliding_window=32).config))
 
-    # A learner update over the 2 context-parallel ranks; then one with a co-trained draft, trained on rank 0
-    # from the features of its aux layers, gathered from both ranks into the batch's rows (taps.py).
+    # A learner update over the 2 context-parallel ranks; then one with a co-trained draft, trained on both
+    # ranks from their own tokens' features (taps.py, DraftTrainer.context_step).
     with ops.use_kernels("consistent"):
         if rank:
-            MegatronLearner.follow()
             MegatronLearner.follow()
         else:
             lrn = learner(m, Layout(cp=2))
@@ -154,27 +175,13 @@ def main(out: str) -> None:
             got["rl_grads"] = [q.grad.clone() for q in lrn.model.parameters()]
             got["rl_weights"], got["rl_mirror"] = lrn.state_dict_copy(), m.state_dict()
             lrn.stop()
-            mirror = model()
-            lrn = learner(mirror, Layout(cp=2))
-            lrn.add_aux_loss(draft(mirror))
-            metrics, _ = lrn.rl_step(*rl_batch())
-            got["draft"], got["draft_loss"] = lrn.draft.shipped(), metrics["draft_loss"]
-            lrn.stop()
-    # Negative control: the same draft step with the ranks' rows put back in rank order, not the shard's.
-    context.ContextParallel.batch_rows, real = _rank_order, context.ContextParallel.batch_rows
+    got.update(_cotrained("draft"))
+    # Negative control: the same draft step without the branch attention.
+    ring.draft_attention = _without_branch
     try:
-        with ops.use_kernels("consistent"):
-            if rank:
-                MegatronLearner.follow()
-            else:
-                mirror = model()
-                lrn = learner(mirror, Layout(cp=2))
-                lrn.add_aux_loss(draft(mirror))
-                lrn.rl_step(*rl_batch())
-                got["draft_rank_order"] = lrn.draft.shipped()
-                lrn.stop()
+        got.update(_cotrained("no_branch"))
     finally:
-        context.ContextParallel.batch_rows = real
+        ring.draft_attention = _draft_attention
     if rank == 0:
         torch.save(got, out)
 

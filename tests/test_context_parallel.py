@@ -464,6 +464,15 @@ def test_draft_loss_one_process_equals_training_loss(distill, monkeypatch):
                                            final=flat(final) if distill else None)
     ref.backward()
     assert metrics.keys() == ref_metrics.keys() and len(metrics) == DRAFT_STEPS
+    # The acceptance estimates from the rollout's logprobs (the layout of mask): the batch's own numbers.
+    rollout = -torch.rand(sum(LENGTHS), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        accept = cp_draft_loss(draft, target, aux, final if distill else None, ids, mask, _cu(), DRAFT_STEPS,
+                               DRAFT_TEMPERATURE, rollout_logprobs=rollout)[2]
+        want = draft.training_loss(target, flat(aux), _padded(ids), dense_mask, DRAFT_STEPS, DRAFT_TEMPERATURE,
+                                   _padded(rollout, max(LENGTHS) - 1), flat(final) if distill else None)[1]
+    assert accept.keys() == want.keys() and len(want) == 2 * DRAFT_STEPS
+    assert all(abs(accept[k] - want[k]) <= 1e-6 * abs(want[k]) for k in want)
     assert abs(float(loss) - float(ref.detach())) <= 1e-6 * abs(float(ref.detach()))
     assert all(abs(metrics[k] - ref_metrics[k]) <= 1e-6 * abs(ref_metrics[k]) for k in metrics)
     for name, p in draft.named_parameters():
@@ -529,6 +538,8 @@ def test_draft_loss_bad_input_is_one_clear_error():
         cp_draft_loss(draft, target, aux, final.index_fill(0, torch.tensor([7]), float("nan")), ids, mask, _cu(), DRAFT_STEPS)
     with pytest.raises(ValueError, match=r"mask \(465,\)"):
         cp_draft_loss(draft, target, aux, final, ids, mask[:-1], _cu(), DRAFT_STEPS)
+    with pytest.raises(ValueError, match=r"rollout_logprobs \(465,\): need the row's logprobs"):
+        cp_draft_loss(draft, target, aux, final, ids, mask, _cu(), DRAFT_STEPS, rollout_logprobs=-torch.rand(465))
     assert cp_draft_loss(draft, target, aux, final, ids, torch.zeros_like(mask), _cu(), DRAFT_STEPS) == (None, None, {})
 
 

@@ -61,6 +61,7 @@ add the terms in other orders).
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -192,7 +193,7 @@ def cp_token_logprobs(model: Decoder, input_ids: torch.Tensor, cu_seqlens, group
 
 def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: torch.Tensor | None,
                   input_ids: torch.Tensor, mask: torch.Tensor, cu_seqlens, steps: int, temperature: float = 1.0,
-                  group=None):
+                  group=None, rollout_logprobs: torch.Tensor | None = None):
     """A draft's training-time-test loss (as DraftHead.training_loss computes it) of a packed row over the ranks
     of `group` (None: the default group, or one process without torch.distributed).
 
@@ -204,10 +205,14 @@ def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: t
     reads token t + s and predicts token t + s + 1; the draft's layers run on them with step 1's attention
     through `ring_attention` and step s > 1's through `branch_attention` (the branch: that root's steps 2..s).
 
+    With `rollout_logprobs` [T] (the target's logprobs of the row's tokens at `temperature`, in the layout of
+    `mask`), each step also reports its estimated acceptance rate draft_accept_s, as DraftHead.training_loss does.
+
     Returns (this rank's part of the loss: its roots' terms, differentiable; backward on every rank, then
     `reduce_gradients(draft, group)`; the loss, every root's term added in row order: the same bits on every
-    rank and for any rank count; per-step metrics draft_loss_s), or (None, None, {}) where no step has a
-    trained token."""
+    rank and for any rank count; per-step metrics draft_loss_s (and draft_accept_s), the same bits as
+    DraftHead.training_loss of the row's sequences padded into a batch), or (None, None, {}) where no step has a
+    trained token. The Megatron learner's co-trained draft runs it under megatron.cp (algorithms.draft)."""
     cu = [int(c) for c in cu_seqlens]
     total = cu[-1]
     if input_ids.dim() != 1 or input_ids.is_floating_point() or input_ids.shape[0] != total or mask.shape != (total,):
@@ -222,6 +227,9 @@ def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: t
         if x is None or x.dim() != 2 or x.shape[0] != n or not bool(torch.isfinite(x).all()):
             raise ValueError(f"{name} {None if x is None else tuple(x.shape)}: need this rank's {n} tokens' finite target "
                              "features, one row each in the shard's local order")
+    if rollout_logprobs is not None and rollout_logprobs.shape != (total,):
+        raise ValueError(f"rollout_logprobs {tuple(rollout_logprobs.shape)}: need the row's logprobs [cu_seqlens[-1]] = "
+                         f"[{total}], in the layout of mask")
     lengths = torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
     steps = min(steps, int(lengths.max()) - 2)  # step s needs a sequence of s + 2 tokens
     if steps < 1:
@@ -244,12 +252,21 @@ def cp_draft_loss(draft: DraftHead, target: Decoder, aux: torch.Tensor, final: t
         if count == 0:
             continue
         rows = valid[shard.index].nonzero().squeeze(1)
-        term, _ = draft.token_losses(target, x.index_select(0, rows), temperature, labels[shard.index[rows]],
-                                     None if final is None else final.index_select(0, shard.index[rows] + s))
+        mine = labels[shard.index[rows]]
+        term, logq = draft.token_losses(target, x.index_select(0, rows), temperature, mine,
+                                        None if final is None else final.index_select(0, shard.index[rows] + s))
         everyone = shard.gather(term.new_zeros(n).index_copy(0, rows, term.detach()), group)
         step_loss = everyone[valid].sum() / count
         metrics[f"draft_loss_{s}"] = float(step_loss)
         terms.append((term.sum() / count, step_loss))
+        if rollout_logprobs is not None:  # E_{x~p} min(1, q(x)/p(x)), q = 0 outside the draft vocabulary
+            with torch.no_grad():
+                q = logq.gather(1, mine.clamp(min=0)[:, None]).squeeze(1)
+                q = torch.where(mine >= 0, q, torch.full_like(q, -math.inf))
+                p = rollout_logprobs[(at + s).clamp(max=total - 1)][shard.index[rows]]
+                accept = torch.exp(torch.clamp(q - p, max=0.0))
+                everyone = shard.gather(accept.new_zeros(n).index_copy(0, rows, accept), group)
+                metrics[f"draft_accept_{s}"] = float(everyone[valid].mean())
     if not terms:
         return None, None, {}
     # Every rank runs backward through every step's attention (the ring's backward is collective): zeros of

@@ -20,14 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TapChannel", "stage_layers"]
-
-
-def stage_layers(num_layers: int, stages: int, stage: int) -> range:
-    """The layers stage `stage` of `stages` runs: [stage * L / S, (stage + 1) * L / S)."""
-    if not 1 <= stages <= num_layers:
-        raise ValueError(f"{stages} pipeline stages for {num_layers} layers: need 1 <= stages <= layers")
-    return range(stage * num_layers // stages, (stage + 1) * num_layers // stages)
+__all__ = ["TapChannel"]
 
 
 class TapChannel:
@@ -38,16 +31,6 @@ class TapChannel:
         self.points, self.owner, self.consumer, self.rank, self.group = tuple(points), owner, consumer, rank, group
         self._kept: dict = {}
         self._sending: list = []
-
-    @classmethod
-    def for_stages(cls, layers, num_layers: int, stages: int, consumer: int, rank: int, group=None) -> "TapChannel":
-        """Layers of a model split into `stages` (stage_layers): a layer's outputs come from its stage."""
-        layers = tuple(int(i) for i in layers)
-        bad = [i for i in layers if not 0 <= i < num_layers]
-        if bad:
-            raise ValueError(f"tap layers {list(layers)}: layer {bad[0]} is outside 0..{num_layers - 1}")
-        stage = [next(s for s in range(stages) if i in stage_layers(num_layers, stages, s)) for i in layers]
-        return cls(layers, lambda _mb, n: stage[n], consumer, rank, group)
 
     def _tag(self, micro_batch: int, index: int) -> int:
         return micro_batch * len(self.points) + index

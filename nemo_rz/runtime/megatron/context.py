@@ -25,12 +25,14 @@ cp = 1 a weight's gradient is one product over all tokens, here the sum of the r
 (measured in tests/test_megatron_context.py: within 2e-6 of each parameter's largest entry). With data
 parallelism each share's gradient is reduced this way, then the shares' in data_parallel's tree.
 
-A co-trained draft (draft.mode=cotrain, the auxiliary-loss taps of taps.py): each tapped layer's output of the
-rank's tokens is gathered over the group into the whole batch's rows (`batch_rows`, bits copied) on context-parallel
-rank 0, which hands them to rank 0's draft as at cp = 1; the other ranks take part in the gather (`gathering`).
-The draft then trains on rank 0 from one process's features: its weights after a step are one process's bits
-(tests/test_megatron_context.py). It does not run parallel.context.cp_draft_loss over the ranks (that would put
-a draft trainer on every rank; its weights would then equal one process's within rounding only).
+A co-trained draft (draft.mode=cotrain, the auxiliary-loss taps of taps.py): every context-parallel rank of
+tensor-parallel rank 0 keeps its own tokens' outputs of the tapped layers (`local_rows`: the rows cp = 1 computes
+for those tokens, in the shard's order) and trains its copy of the draft on them: the draft's training-time test
+runs over the same zigzag shard, through the ring and rank-local branch attention (parallel.context.cp_draft_loss,
+called by algorithms.draft.DraftTrainer.context_step); the ranks' draft gradients are added in a fixed tree over
+the group and every copy takes the same optimizer step. The draft's loss and metrics are one process's bits, its
+gradients (and so its weights after a step) equal one process's within float32 rounding
+(tests/test_megatron_context.py).
 
 Refused, in one line: the fast kernels (Megatron's local DotProductAttention has no context parallelism without
 Transformer Engine: it would attend within each rank's tokens only), models the ring does not compute (sliding
@@ -38,7 +40,6 @@ windows, sinks, mixtures of experts: parallel.context.check_model), and context 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -80,7 +81,7 @@ class ContextParallel:
             raise ValueError(f"megatron.cp = {cp} with megatron.pp = {pp}: context parallelism does not run inside "
                              "the pipeline schedule yet; use megatron.cp=1 or megatron.pp=1")
         self.policy, self.group, self.config = policy, cp_group, policy.config
-        self.forward_layout = None  # (shard, packed rows, B, T) of the forward running (batch_rows)
+        self.forward_layout = None  # the ZigzagShard of the forward running (local_rows)
         self.params = [p for p in policy.parameters() if p.requires_grad]
 
     # -- cp_token_logprobs' model ------------------------------------------------------------------------
@@ -115,7 +116,7 @@ class ContextParallel:
                              f"[{b}, {length}] input_ids; pass each sequence's token count")
         rows = packed_rows(lengths, length)
         cu = [0, *torch.cumsum(lengths, 0).tolist()]
-        self.forward_layout = (ZigzagShard(cu, dist.get_world_size(self.group), dist.get_rank(self.group)), rows, b, length)
+        self.forward_layout = ZigzagShard(cu, dist.get_world_size(self.group), dist.get_rank(self.group))
         local, shard = cp_token_logprobs(self, input_ids.reshape(-1)[rows], cu, self.group, temperature)
         whole = shard.gather(local.detach(), self.group)  # the packed row's logprobs, 0 at each sequence's last token
         out = whole.new_zeros(b * length).index_copy(0, rows, whole).view(b, length)[:, :-1]
@@ -124,30 +125,11 @@ class ContextParallel:
         return out
 
 
-    def batch_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """A layer's output of this rank's tokens in the forward running (Megatron's [n, 1, hidden]) as the whole
-        batch's rows [B * T, hidden] in the Decoder's order, zero rows at padding (what a tap of the dense cp = 1
-        forward gives after aux_loss.padded), on every rank: a collective of the group, so every rank calls it
-        for the same layer. Bits copied: a token's row is the one cp = 1 computes."""
-        shard, rows, b, length = self.forward_layout
-        local = x.detach().reshape(-1, x.shape[-1])[: shard.index.shape[0]]  # (a rank without tokens ran a stand-in)
-        whole = shard.gather(local, self.group)
-        return whole.new_zeros(b * length, whole.shape[-1]).index_copy(0, rows, whole)
-
-
-    @contextlib.contextmanager
-    def gathering(self, modules):
-        """Within the block, the outputs of `modules` ({n: module}) take part in `batch_rows` on this rank, whose
-        rows another rank of the group keeps (the taps of an auxiliary loss: taps.py)."""
-        def take_part(_module, _args, out) -> None:  # returns None: the module's output stays as it is
-            self.batch_rows(out[0] if isinstance(out, tuple) else out)
-
-        handles = [m.register_forward_hook(take_part) for m in modules.values()]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
+    def local_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A layer's output of this rank's tokens in the forward running (Megatron's [n, 1, hidden]) as [n, hidden],
+        in the shard's local order (a rank without tokens ran a stand-in row: dropped). Bits as they are: a
+        token's row is the one cp = 1 computes."""
+        return x.detach().reshape(-1, x.shape[-1])[: self.forward_layout.index.shape[0]]
 
 
 def _stand_in(t: Tokens) -> Tokens:

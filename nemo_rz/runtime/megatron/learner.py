@@ -10,7 +10,8 @@ ranks) get their gradients summed over the ranks, and the optimizer state is one
 on rank 0 follows every update, for held-out evaluation with the built-in engine.
 
 Auxiliary losses (a co-trained draft) run on rank 0 through runtime.Learner's hook: `add_aux_loss` learns which
-points of the model the loss taps and has every rank tap them in the RL forward (taps.py).
+points of the model the loss taps and has every rank tap them in the RL forward (taps.py); under context
+parallelism every context-parallel rank of tensor-parallel rank 0 runs a copy of them on its own tokens.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from nemo_rz.runtime.megatron.data_parallel import DataParallel
 from nemo_rz.runtime.megatron.layout import Layout
 from nemo_rz.runtime.megatron.model import MegatronPolicy
 from nemo_rz.runtime.megatron.precision import apply_precision
-from nemo_rz.runtime.megatron.taps import Taps, TapView
+from nemo_rz.runtime.megatron.taps import Lent, Taps, TapView
 
 _SHARED_ACROSS_HEADS = ("q_layernorm", "k_layernorm")  # replicated weights applied to each rank's own heads
 PEER_LOSS_GRACE_S = 10.0
@@ -88,9 +89,10 @@ class MegatronLearner(Learner):
                 self.head_shared.append(p)
 
     @classmethod
-    def follow(cls) -> None:
+    def follow(cls) -> "MegatronLearner":
         """A rank other than 0: build this rank's part from rank 0's first message, then run rank 0's calls
-        until it says stop. An error rank 0 also meets (divergence, bad input) is rank 0's to report."""
+        until it says stop; returns this rank's learner. An error rank 0 also meets (divergence, bad input) is
+        rank 0's to report."""
         msg = [None]
         dist.broadcast_object_list(msg, src=0)
         args, init = msg[0]
@@ -98,7 +100,7 @@ class MegatronLearner(Learner):
         while True:
             dist.broadcast_object_list(msg, src=0)
             if msg[0] is None:
-                return
+                return learner
             name, a, kw = msg[0]
             try:
                 getattr(learner, name)(*a, **kw)
@@ -123,16 +125,37 @@ class MegatronLearner(Learner):
         self._retap()
 
     def _retap(self) -> None:
+        context = self.model.policy.context
         if self.model.aux_target is None:
-            self.model.aux_target = TapView(self.mirror, self.model.config.num_layers)
+            self.model.aux_target = TapView(self.mirror, self.model.config.num_layers,
+                                            None if context is None else context.group)
         view = self.model.aux_target
-        self._set_taps(tuple(sorted({p for a in self.aux_losses for p in view.points_of(a)})))
+        points = tuple(sorted({p for a in self.aux_losses for p in view.points_of(a)}))
+        # Under context parallelism the other consumers train copies of the losses on their own tokens (taps.py).
+        self._set_taps(points, *((tuple(self.aux_losses), Lent(self.mirror)) if context is not None and points else ()))
 
     @collective
-    def _set_taps(self, points: tuple[int, ...]) -> None:
+    def _set_taps(self, points: tuple[int, ...], losses: tuple = (), lent: Lent | None = None) -> None:
+        if points and distributed.device().type != "cpu":
+            raise ValueError(f"megatron.device = {distributed.device().type} with an auxiliary loss (a co-trained "
+                             "draft): the tap channel gathers CPU features over gloo; use megatron.device=cpu")
         if self._tap_group is None:  # the tap channel's own group (every rank creates it, in this call)
             self._tap_group = dist.new_group(backend="gloo")
         self.model.taps = Taps(self.model.policy, points, self.model.per_rank, self._tap_group) if points else None
+        if self.rank != 0:  # a context-parallel consumer's copies of rank 0's losses, or none
+            consumer = self.model.taps is not None and self.model.taps.consumer
+            self.aux_losses = list(losses) if consumer else []
+            self.model.aux_target = TapView(lent, self.model.config.num_layers, self.model.policy.context.group) if consumer else None
+
+    def receive(self, bundle) -> None:
+        """The auxiliary losses take back their parts of a restored version (their copies too)."""
+        self._receive_parts({a.name: bundle.parts[a.name] for a in self.aux_losses if a.name in bundle.parts})
+
+    @collective
+    def _receive_parts(self, parts: dict) -> None:
+        for a in self.aux_losses:
+            if a.name in parts:
+                a.receive(parts[a.name])
 
     # -- the calls rank 0 sends -----------------------------------------------------------------------
     @collective
@@ -244,6 +267,8 @@ class MegatronLearner(Learner):
         weights = self.model.state_dict()  # a collective: every rank takes part
         if self.mirror is not None:
             self.mirror.load_state_dict(weights)
+        elif self.model.aux_target is not None:  # a context-parallel consumer's copy of what its losses read
+            self.model.aux_target.mirror.follow(weights)
 
 
 class _Supervised:

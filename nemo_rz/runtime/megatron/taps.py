@@ -11,6 +11,14 @@ Every rank hooks the Megatron TransformerLayers (and the final norm) of the poin
 layers (pipeline parallelism), its shares of the batch (data parallelism), on tensor-parallel rank 0 only
 (the other ranks hold the same activations). Points computed elsewhere than on rank 0 reach it through
 parallel.pipeline.TapChannel, on a process group of their own, outside Megatron's schedule.
+
+Under context parallelism (megatron.cp > 1) the features stay where they were computed: every context-parallel
+rank of tensor-parallel rank 0 (the consumers) keeps its own tokens' rows (context.ContextParallel.local_rows),
+and holds a copy of the auxiliary losses (sent from rank 0 when they are registered, `_set_taps` in learner.py)
+with a TapView of its own, whose `context_group` tells the losses that the features are the rank's tokens of
+the batch's packed row split over that group (a draft then trains over the ranks: DraftTrainer.context_step).
+A consumer without the mirror reads the embedding and LM head from a `Lent` copy of them, which follows every
+update of the policy.
 """
 from __future__ import annotations
 
@@ -38,11 +46,33 @@ class _Point:
         return types.SimpleNamespace(remove=lambda: hooks.remove(hook))
 
 
-class TapView:
-    """What an auxiliary loss taps and reads of the Megatron model on rank 0 (see the module doc)."""
+class Lent:
+    """The parts of the target an auxiliary loss reads besides its taps (config, embedding, LM head), for a
+    context-parallel rank without rank 0's mirror Decoder: a copy of the mirror's, loaded from the policy's whole
+    weights after every update (`follow`), as the mirror is."""
 
-    def __init__(self, mirror, num_layers: int):
-        self.mirror, self.hooks = mirror, {}
+    def __init__(self, mirror):
+        self.config = mirror.config
+        self.model = types.SimpleNamespace(embed_tokens=torch.nn.Embedding.from_pretrained(
+            mirror.model.embed_tokens.weight.detach().clone()))
+        head = mirror.lm_head
+        self.lm_head = None if head is None else types.SimpleNamespace(weight=head.weight.detach().clone())
+
+    @torch.no_grad()
+    def follow(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load the embedding and LM head from whole Hugging Face-named weights (MegatronPolicy.state_dict)."""
+        self.model.embed_tokens.weight.copy_(weights["model.embed_tokens.weight"])
+        if self.lm_head is not None:
+            self.lm_head.weight.copy_(weights["lm_head.weight"])
+
+
+class TapView:
+    """What an auxiliary loss taps and reads of the Megatron model on a consumer (see the module doc).
+    context_group: None (the features are the batch's rows), or the context-parallel group whose ranks split the
+    batch's packed row (each consumer's features are its own tokens')."""
+
+    def __init__(self, mirror, num_layers: int, context_group=None):
+        self.mirror, self.hooks, self.context_group = mirror, {}, context_group
         self.model = types.SimpleNamespace(layers=[_Point(self, i) for i in range(num_layers)],
                                            norm=_Point(self, num_layers), embed_tokens=mirror.model.embed_tokens)
 
@@ -68,28 +98,42 @@ def _decoder_layout(x: torch.Tensor) -> torch.Tensor:
 
 
 class Taps:
-    """Every rank's part of tapping `points` of the model (`policy`, this rank's stage) for rank 0, over `group`."""
+    """Every rank's part of tapping `points` of the model (`policy`, this rank's stage) for the consumers, over
+    `group`: rank 0, or under context parallelism every context-parallel rank of tensor-parallel rank 0
+    (`consumer`: whether this rank is one)."""
 
     def __init__(self, policy, points, per_rank: int, group):
         self.points, self.policy, self.per_rank = tuple(points), policy, per_rank
         cfg = policy.config
         per_stage = cfg.num_layers // policy.pp_size
-        mine = (dist.get_rank(policy.tp), policy.pp_rank, parallel_state.get_data_parallel_rank(),
-                parallel_state.get_context_parallel_rank())  # cp: the batch's rows gathered on cp rank 0 (context.py)
-        ranks = [None] * dist.get_world_size(group)
-        dist.all_gather_object(ranks, mine, group=group)
-        where = {r: i for i, r in enumerate(ranks)}
-        stage = [min(p // per_stage, policy.pp_size - 1) for p in self.points]  # the final norm: the last stage
+        self.context = policy.context
+        rank, tp_rank = dist.get_rank(group), dist.get_rank(policy.tp)
+        if self.context is not None:
+            dp, shares = parallel_state.get_data_parallel_world_size(), per_rank * parallel_state.get_data_parallel_world_size()
+            if dp > 1 or shares > 1:
+                raise ValueError(f"an auxiliary loss (draft.mode) under megatron.cp = {dist.get_world_size(self.context.group)} "
+                                 "trains over the context-parallel ranks of the batch's one forward, but megatron.dp = "
+                                 f"{dp} and megatron.grad_shares = {shares} cut the batch into {shares} forwards; use "
+                                 "megatron.dp=1 (grad_shares 1) or draft.mode=off")
+            self.consumer = tp_rank == 0  # each keeps its own tokens' features (pp = dp = 1 here)
+            self.channel = TapChannel(self.points, lambda _mb, _n: rank, rank, rank, group)
+        else:
+            mine = (tp_rank, policy.pp_rank, parallel_state.get_data_parallel_rank())
+            ranks = [None] * dist.get_world_size(group)
+            dist.all_gather_object(ranks, mine, group=group)
+            where = {r: i for i, r in enumerate(ranks)}
+            stage = [min(p // per_stage, policy.pp_size - 1) for p in self.points]  # the final norm: the last stage
 
-        def owner(micro_batch: int, n: int) -> int:
-            return where[(0, stage[n], micro_batch // per_rank, 0)]
+            def owner(micro_batch: int, n: int) -> int:
+                return where[(0, stage[n], micro_batch // per_rank)]
 
-        self.channel = TapChannel(self.points, owner, CONSUMER, dist.get_rank(group), group)
+            self.consumer = rank == CONSUMER
+            self.channel = TapChannel(self.points, owner, CONSUMER, rank, group)
         self.modules = {}
-        if mine[0] == 0:
+        if tp_rank == 0:
             block = policy.gpt.decoder
             for n, p in enumerate(self.points):
-                if stage[n] == policy.pp_rank:
+                if min(p // per_stage, policy.pp_size - 1) == policy.pp_rank:
                     self.modules[n] = block.final_layernorm if p == cfg.num_layers else block.layers[p - policy.offset]
         self.active = False
 
@@ -98,21 +142,20 @@ class Taps:
         share running)."""
         if not self.active:
             return contextlib.nullcontext()
-        cp = self.policy.context
-        if cp is None:
-            return self.channel.tapping(self.modules, micro_batch, _decoder_layout)
-        if parallel_state.get_context_parallel_rank() == 0:
-            return self.channel.tapping(self.modules, micro_batch, cp.batch_rows)
-        return cp.gathering(self.modules)  # the other context-parallel ranks' part of batch_rows' gather
+        view = _decoder_layout if self.context is None else self.context.local_rows
+        return self.channel.tapping(self.modules, micro_batch, view)
 
     def collect(self, shares: int, rows: int, length: int, lengths: torch.Tensor) -> list[torch.Tensor] | None:
-        """After the forward of `shares` micro-batches of `rows` rows: on rank 0 each point's features of the batch
-        ([B * T, hidden], zero rows past each length; B = len(lengths)); elsewhere None, once what was sent arrived."""
+        """After the forward of `shares` micro-batches of `rows` rows: on a consumer each point's features (the
+        batch's [B * T, hidden], zero rows past each length, B = len(lengths); under context parallelism this rank's
+        tokens' [n, hidden]); elsewhere None, once what was sent arrived."""
         if not self.active:
             return None
-        if self.channel.rank != CONSUMER:
+        if not self.consumer:
             self.channel.flush()
             return None
+        if self.context is not None:
+            return [self.channel.take(0, n, None) for n in range(len(self.points))]
         cfg = self.policy.config
         b = lengths.shape[0]
         like = torch.empty(rows * length, cfg.hidden_size, dtype=cfg.torch_dtype)
