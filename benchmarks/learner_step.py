@@ -10,9 +10,11 @@ target >= 0.9). The first step of each mode is a warm-up (it also runs the start
 With --rl: one `Learner.rl_step` on the SmolLM2 recipe's batch (conf/smollm2_arith.yaml: 4 prompts x 8 samples,
 chat-rendered "What is a + b?" prompts with --model's tokenizer, --new-tokens completion tokens each), packed as the
 trainer packs it, in two variants, each in a fresh subprocess (peak RSS is the process's ru_maxrss), alternating:
-  padded: the whole padded batch through the layers and the LM head + log-softmax at every position, unchunked
-          (the learner's forward before packing);
-  packed: the learner's own path (valid tokens only, the head only where the loss reads, in chunks).
+  padded:   the whole padded batch through the layers and the LM head + log-softmax at every position, unchunked
+            (the learner's forward before packing);
+  unshared: valid tokens only, the head only where the loss reads, in chunks, but every sequence's prompt run
+            for itself (the learner's forward before shared prefixes);
+  packed:   the learner's own path (models.decoder.Packing: a group's shared prompt runs once).
 Reports each variant's step time (wall and process CPU, median over reps of the step after a warm-up step) and
 peak RSS after loading the model and after the steps.
 
@@ -39,7 +41,7 @@ import shapes  # noqa: E402
 from nemo_rz import ops  # noqa: E402
 
 MODES = ("consistent", "fast")
-VARIANTS = ("padded", "packed")
+VARIANTS = ("padded", "unshared", "packed")
 
 
 class PaddedPolicy(torch.nn.Module):
@@ -50,12 +52,35 @@ class PaddedPolicy(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def token_logprobs(self, input_ids, lengths, temperature=1.0):
+    def token_logprobs(self, input_ids, lengths, temperature=1.0, mask=None):
         m, (b, length) = self.model, input_ids.shape
         hid = m.hidden(m.tokens(input_ids)).view(b, length, -1)[:, :-1].reshape(b * (length - 1), -1)
         lp = ops.token_logprobs(m.logits(hid), input_ids[:, 1:].reshape(-1), temperature).view(b, length - 1)
         valid = torch.arange(length - 1)[None, :] < (lengths[:, None] - 1)
+        if mask is not None:
+            valid &= mask != 0
         return torch.where(valid, lp, torch.zeros((), dtype=lp.dtype))
+
+
+class UnsharedPolicy(torch.nn.Module):
+    """The learner's packed path with each sequence's tokens its own rows (no prefix shared between sequences)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        model.packing = self.packing  # the instance's Packing: every valid position its own row
+
+    @staticmethod
+    def packing(input_ids, lengths):
+        from nemo_rz.models.decoder import Packing, packed_rows
+
+        b, length = input_ids.shape
+        rows = packed_rows(lengths, length)
+        where = torch.full((b * length,), -1, dtype=torch.long).index_put((rows,), torch.arange(rows.numel()))
+        return Packing(rows, where.view(b, length))
+
+    def token_logprobs(self, *args, **kwargs):
+        return self.model.token_logprobs(*args, **kwargs)
 
 
 def recipe_batch(model, path: str | None, prompts: int, group: int, new_tokens: int, seed: int):
@@ -99,7 +124,7 @@ def rl_child(args) -> None:
     model, _, desc = shapes.load(args, args.seed)
     loaded = peak_rss_gb()
     batch = recipe_batch(model, args.model, args.prompts, args.group, args.new_tokens, args.seed)
-    policy = model if args.variant == "packed" else PaddedPolicy(model)
+    policy = {"packed": model, "unshared": UnsharedPolicy(model), "padded": PaddedPolicy(model)}[args.variant]
     learner = Learner(policy, 1e-5, 1.0, 1.0, "reinforce_zero", "unclipped", {})
     adv = torch.tensor([1.0, -1.0] * (batch.input_ids.shape[0] // 2) + [0.0] * (batch.input_ids.shape[0] % 2))
     wall, cpu = [], []
@@ -133,9 +158,10 @@ def rl_main(args) -> None:
     for v in VARIANTS:
         med = {k: statistics.median(x[k] for x in runs[v]) for k in ("wall", "cpu", "rss_peak", "rss_loaded")}
         print(f"| {v} | {med['wall']:.2f} | {med['cpu']:.2f} | {med['rss_peak']:.2f} | {med['rss_loaded']:.2f} |")
-    ratio = {k: statistics.median(a[k] / b[k] for a, b in zip(runs["padded"], runs["packed"])) for k in ("wall", "cpu", "rss_peak")}
-    print(f"\npadded/packed (median paired): step time {ratio['wall']:.2f}x wall, {ratio['cpu']:.2f}x cpu; "
-          f"peak RSS {ratio['rss_peak']:.2f}x")
+    for base in ("padded", "unshared"):
+        ratio = {k: statistics.median(a[k] / b[k] for a, b in zip(runs[base], runs["packed"])) for k in ("wall", "cpu", "rss_peak")}
+        print(f"{base}/packed (median paired): step time {ratio['wall']:.2f}x wall, {ratio['cpu']:.2f}x cpu; "
+              f"peak RSS {ratio['rss_peak']:.2f}x")
 
 
 def step(model, ids: torch.Tensor, mode: str) -> tuple[float, float]:

@@ -7,8 +7,8 @@ forward (forward hooks on the layers the loss reads), then hands each loss what 
 tapped is detached, so no gradient reaches the policy. Both learners (the built-in one and the Megatron one) run
 the same hook: it is `Learner.rl_step`'s.
 
-What a tap records is laid out as the forward ran: the built-in learner's forward is packed (the batch's valid
-tokens, sum(lengths) rows, no padding: models.decoder.packed_rows); `padded` gives it the batch's [B * T] layout.
+What a tap records is laid out as the forward ran: the built-in learner's forward is packed (the rows of the batch's
+models.decoder.Packing: valid tokens only, a shared prefix once); `padded` gives it the batch's [B * T] layout.
 
 A model whose layers a loss cannot hook as a Decoder's (the Megatron learner's: its layers are Megatron's, split
 over ranks and stages) names a stand-in, `model.aux_target` (runtime/megatron/taps.py's TapView): the losses tap
@@ -24,7 +24,7 @@ from typing import ContextManager, Protocol, runtime_checkable
 
 import torch
 
-from nemo_rz.models.decoder import unpacked
+from nemo_rz.models.decoder import Packing
 
 
 @runtime_checkable
@@ -72,12 +72,14 @@ def learn(model, losses: list[AuxLoss], taps: list, batch, temperature: float, w
 
 def padded(features: torch.Tensor, batch) -> torch.Tensor:
     """Tapped per-token features -> the padded [B * T, ...] layout of `batch` (a generation.packing.Packed), zero
-    rows at padding. A forward of the packed tokens has sum(lengths) rows; one of the padded batch (the Megatron
-    learner's) has B * T and is returned as it is (where the two counts agree, so do the layouts)."""
+    rows at padding. A forward of the built-in Decoder has one row per row of the batch's Packing (valid tokens, a
+    shared prefix once: each sequence then reads the shared rows); one of the padded batch (the Megatron learner's)
+    has B * T and is returned as it is."""
     b, length = batch.input_ids.shape
     if features.shape[0] == b * length:
         return features
-    if features.shape[0] != int(batch.lengths.sum()):
-        raise ValueError(f"tapped features have {features.shape[0]} rows, but the batch has {int(batch.lengths.sum())} "
-                         f"tokens ({b * length} padded): tap the learner's forward of this batch")
-    return unpacked(features, batch.lengths, length)
+    packing = Packing.of(batch.input_ids, batch.lengths)
+    if features.shape[0] != packing.rows.numel():
+        raise ValueError(f"tapped features have {features.shape[0]} rows, but the batch's forward runs "
+                         f"{packing.rows.numel()} ({b * length} padded): tap the learner's forward of this batch")
+    return packing.unpack(features)

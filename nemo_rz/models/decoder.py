@@ -4,7 +4,8 @@ models/layers.py (attention: full, sliding window, sinks; MLP: dense or mixture 
 Parameter names follow Hugging Face's layout (`model.layers.0.self_attn.q_proj.weight`...), so checkpoints
 load without renaming. One forward serves both sides:
 - the learner: `token_logprobs(input_ids, lengths, mask=...)` runs the batch's valid tokens, packed (no padding
-  rows), with autograd, and the LM head only at the positions the loss reads, in chunks (ops.lm_head_logprobs);
+  rows; a prefix several sequences share, such as a group's prompt, once: Packing), with autograd, and the LM
+  head only at the positions the loss reads, in chunks (ops.lm_head_logprobs);
 - the rollout engine: `step(ids, positions, seq_idx, cache)` runs any mix of prefill and decode tokens and
   writes their keys/values into a KV cache.
 Both end in the same ops, so for the same weights and tokens they compute the same bits (in consistent mode).
@@ -15,6 +16,7 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nemo_rz import ops
@@ -22,8 +24,8 @@ from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.layers import MLP, Attention, Block, Linear, RMSNorm, block, embed_scale, forward_layout, laid_out_like, norm
 from nemo_rz.protocols import KVCacheProtocol
 
-__all__ = ["Attention", "Block", "Decoder", "KVCache", "Linear", "MLP", "RMSNorm", "Tokens", "packed_rows", "prepared",
-           "unpacked"]
+__all__ = ["Attention", "Block", "Decoder", "KVCache", "Linear", "MLP", "Packing", "RMSNorm", "Tokens", "packed_rows",
+           "prepared", "unpacked"]
 
 
 _KV_HEAD_OFFSETS: dict = {}
@@ -112,16 +114,25 @@ class BatchKV:
     """The learner's keys/values of a packed batch (Decoder.packed): each layer's [S, Hkv, L, D] view, L the
     longest sequence rounded up to KV_BLOCK, built from the forward's own tokens (differentiable), zeros past
     each sequence's end. A query sees only its own sequence's earlier positions, so the zeros get exact zero
-    weight, as the padding of a dense batch does."""
+    weight, as the padding of a dense batch does.
 
-    def __init__(self, num_seqs: int, length: int):
+    With `where` ([S, T], a Packing's) a sequence's keys at shared positions are read from the rows that ran them
+    (a prefix it shares with another sequence runs once); without it each token is its own sequence's key."""
+
+    def __init__(self, num_seqs: int, length: int, where: torch.Tensor | None = None):
         self.num_seqs, self.length = num_seqs, length + (-length) % ops.KV_BLOCK
+        self.where = where
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
 
     def _placed(self, x: torch.Tensor, t: "Tokens") -> torch.Tensor:
-        out = x.new_zeros(self.num_seqs, self.length, *x.shape[1:])
-        return out.index_put((t.seq_idx, t.positions), x).transpose(1, 2)
+        if self.where is None:
+            out = x.new_zeros(self.num_seqs, self.length, *x.shape[1:])
+            return out.index_put((t.seq_idx, t.positions), x).transpose(1, 2)
+        rows = F.pad(self.where[:, : self.length], (0, self.length - min(self.length, self.where.shape[1])), value=-1)
+        zero = x.new_zeros(1, *x.shape[1:])  # what padding reads: row N
+        out = torch.cat([x, zero]).index_select(0, rows.reshape(-1).where(rows.reshape(-1) >= 0, x.shape[0]))
+        return out.view(self.num_seqs, self.length, *x.shape[1:]).transpose(1, 2)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, t: "Tokens") -> None:
         self.k[layer], self.v[layer] = self._placed(k, t), self._placed(v, t)
@@ -132,7 +143,7 @@ class BatchKV:
 
 def packed_rows(lengths: torch.Tensor, length: int) -> torch.Tensor:
     """[sum(lengths)]: where each valid token of a padded [B, length] batch (the first lengths[i] of row i) sits
-    in the flat [B * length] layout, in row order: the packed layout of Decoder.packed."""
+    in the flat [B * length] layout, in row order (the packed layout without shared prefixes)."""
     return (torch.arange(length, device=lengths.device)[None, :] < lengths[:, None]).reshape(-1).nonzero().squeeze(1)
 
 
@@ -140,6 +151,46 @@ def unpacked(x: torch.Tensor, lengths: torch.Tensor, length: int, fill: float = 
     """Rows of the packed layout [sum(lengths), ...] -> the padded [B * length, ...] one, `fill` at padding."""
     rows = packed_rows(lengths.to(x.device), length)
     return x.new_full((lengths.shape[0] * length, *x.shape[1:]), fill).index_put((rows,), x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """The tokens of a padded [B, T] batch that one learner forward runs: each valid position once, except that
+    a position whose tokens up to and including it equal another sequence's (a GRPO group's shared prompt, a
+    common system prompt) runs once for all of them. A position's hidden state depends only on the tokens up
+    to it, and every op is row-invariant, so a shared row has the bits each sequence's own row would have had.
+
+    rows [N]: the flat position b * T + t of each row the forward runs, in row order (b, then t);
+    where [B, T]: the row that position (b, t) reads, -1 past the sequence's end."""
+
+    rows: torch.Tensor
+    where: torch.Tensor
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, lengths: torch.Tensor) -> "Packing":
+        b, length = input_ids.shape
+        dev = input_ids.device
+        lengths = lengths.to(dev)
+        ar = torch.arange(length, device=dev)
+        valid = ar[None, :] < lengths[:, None]
+        shared = torch.zeros(b, dtype=torch.long, device=dev)  # each row's prefix run by the row before it in `order`
+        order = sorted(range(b), key=[r[:n] for r, n in zip(input_ids.tolist(), lengths.tolist())].__getitem__)
+        if b > 1:  # in lexicographic order a row's longest common prefix with any other is with its predecessor
+            prev, cur = torch.tensor(order[:-1], device=dev), torch.tensor(order[1:], device=dev)
+            same = (input_ids[prev] == input_ids[cur]) & valid[prev] & valid[cur]
+            shared[cur] = torch.cat([~same, same.new_ones(b - 1, 1)], 1).int().argmax(1)
+        own = valid & (ar[None, :] >= shared[:, None])
+        where = torch.where(own, own.reshape(-1).cumsum(0).view(b, length) - 1, -1)
+        for p, c in zip(order, order[1:]):  # shared positions read their predecessor's rows (already resolved)
+            n = int(shared[c])
+            where[c, :n] = where[p, :n]
+        return cls(own.reshape(-1).nonzero().squeeze(1), where)
+
+    def unpack(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Rows of this packing [N, ...] -> the padded [B * T, ...] layout, `fill` past each sequence's end."""
+        where = self.where.reshape(-1).to(x.device)
+        out = torch.cat([x, x.new_full((1, *x.shape[1:]), fill)])
+        return out.index_select(0, where.where(where >= 0, x.shape[0]))
 
 
 def prepared(cfg: DecoderConfig, t: Tokens, heads: int | None = None, kv_heads: int | None = None) -> Tokens:
@@ -216,22 +267,31 @@ class Decoder(nn.Module):
         b, length = input_ids.shape
         return self.logits(self.hidden(self.tokens(input_ids))).view(b, length, -1)
 
-    def packed(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> Tokens:
-        """The valid tokens of a padded [B, T] batch (the first lengths[i] of row i), flat in row order (packed_rows),
-        with their positions and sequence ids: no padding rows reach the layers."""
+    def packing(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> Packing:
+        """What a forward of the padded [B, T] batch runs (the first lengths[i] tokens of row i, shared prefixes
+        once): a Packing, after checking `lengths`."""
         b, length = input_ids.shape
         lengths = lengths.to(input_ids.device)
         if lengths.shape != (b,) or (b and (int(lengths.min()) < 1 or int(lengths.max()) > length)):
             raise ValueError(f"lengths {lengths.tolist()} must hold one length in 1..{length} per row of the "
                              f"[{b}, {length}] input_ids; pass each sequence's token count")
-        rows = packed_rows(lengths, length)
-        return Tokens(input_ids.reshape(-1)[rows], rows % length, rows // length, BatchKV(b, int(lengths.max()) if b else 0))
+        return Packing.of(input_ids, lengths)
+
+    def packed(self, input_ids: torch.Tensor, lengths: torch.Tensor, packing: Packing | None = None) -> Tokens:
+        """The rows of a padded [B, T] batch's Packing (its valid tokens, a prefix shared by several sequences
+        once) with their positions and sequence ids: no padding rows reach the layers."""
+        b, length = input_ids.shape
+        packing = packing or self.packing(input_ids, lengths)
+        rows = packing.rows
+        longest = int(lengths.max()) if b else 0
+        return Tokens(input_ids.reshape(-1)[rows], rows % length, rows // length, BatchKV(b, longest, packing.where))
 
     def token_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, temperature: float = 1.0,
                        mask: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [B, T-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) at `temperature`; 0 past each length and,
         with `mask` [B, T-1], wherever it is 0 (the LM head runs only where it is not). With `lengths` the layers
-        run the packed valid tokens (Decoder.packed), without it the whole [B, T] batch; the bits are the same."""
+        run the batch's Packing (valid tokens only, shared prefixes once), without it the whole [B, T] batch; the
+        bits are the same."""
         b, length = input_ids.shape
         dev = input_ids.device
         if mask is not None and mask.shape != (b, length - 1):
@@ -240,17 +300,18 @@ class Decoder(nn.Module):
         want = torch.ones(b, length - 1, dtype=torch.bool, device=dev)
         if lengths is None:
             hidden = self.hidden(self.tokens(input_ids))
-            starts = torch.arange(b, device=dev) * length  # each sequence's first row of hidden
+            row = torch.arange(b * length, device=dev).view(b, length)  # the hidden row of each position
         else:
             lengths = lengths.to(dev)
-            hidden = self.hidden(self.packed(input_ids, lengths))
+            packing = self.packing(input_ids, lengths)
+            hidden = self.hidden(self.packed(input_ids, lengths, packing))
             want &= torch.arange(length - 1, device=dev)[None, :] < (lengths[:, None] - 1)
-            starts = torch.cumsum(lengths, 0) - lengths
+            row = packing.where
         if mask is not None:
             want &= mask.to(dev) != 0
         where = want.reshape(-1).nonzero().squeeze(1)
         seq, pos = where // max(length - 1, 1), where % max(length - 1, 1)
-        lp = ops.lm_head_logprobs(hidden.index_select(0, starts[seq] + pos), self.head_weight, input_ids[seq, pos + 1],
+        lp = ops.lm_head_logprobs(hidden.index_select(0, row[seq, pos]), self.head_weight, input_ids[seq, pos + 1],
                                   temperature)
         return lp.new_zeros(b * (length - 1)).index_put((where,), lp).view(b, length - 1)
 

@@ -12,7 +12,7 @@ from nemo_rz.errors import DivergenceError
 from nemo_rz.generation.packing import Packed
 from nemo_rz.metrics import decomposition, routing_diff_tokens
 from nemo_rz.models import Decoder
-from nemo_rz.models.decoder import unpacked
+from nemo_rz.models.decoder import Packing
 from nemo_rz.models.moe import recorded_routing
 from nemo_rz.runtime.weights import WeightsBundle
 
@@ -181,11 +181,12 @@ class Learner:
         out = decomposition(batch.rollout_logprobs, now, then, batch.mask)
         if batch.rollout_routing is not None and routing:
             b, length = batch.input_ids.shape
-            packed = isinstance(self.model, Decoder)  # the built-in Decoder's forward ran the packed tokens
+            # the built-in Decoder's forward ran the batch's Packing; Megatron's the padded batch
+            packing = Packing.of(batch.input_ids, batch.lengths) if isinstance(self.model, Decoder) else None
 
             def padded(experts: torch.Tensor) -> torch.Tensor:
                 # (a data-parallel policy's record may end with its padding rows: cut)
-                return (unpacked(experts, batch.lengths, length, -1) if packed else experts[: b * length]).view(b, length, -1)
+                return (packing.unpack(experts, -1) if packing else experts[: b * length]).view(b, length, -1)
 
             experts = torch.cat([padded(log[0]) for log in routing.values()], -1)[:, :-1]
             out["routing_diff_tokens"] = routing_diff_tokens(batch.rollout_routing, experts, batch.mask)
