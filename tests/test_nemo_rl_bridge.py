@@ -26,7 +26,8 @@ pytest.importorskip("megatron.core")
 from conftest import tiny_model  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-from megatron_world import world_of_one  # noqa: E402
+from megatron_world import launched, world_of_one  # noqa: E402
+from nemo_rl_head_ranks import HEAD_VOCAB, head_model  # noqa: E402
 
 from nemo_rz.models.decoder import Tokens, prepared  # noqa: E402
 from nemo_rz.models.hf import save_hf  # noqa: E402
@@ -234,6 +235,8 @@ def test_megatron_override_sets_keys_nemo_rl_reads_on_top_of_the_reinforce_zero_
     cfg = yaml.safe_load((KIT / "megatron_consistent.yaml").read_text())
     assert cfg.pop("defaults") == "reinforce_zero.yaml"
     known = {f"{section}.{k}" for section, keys in NEMO_RL_MAIN_KEYS.items() for k in keys} | {"policy"}
+    known |= {"reinforce_zero", "reinforce_zero.logprobs"}  # ours (the driver's; test_nemo_rl_kit.OUR_KEYS)
+    assert cfg["reinforce_zero"]["logprobs"] == "consistent"
     assert _keys(cfg) <= known
     assert bridge.resolve_layer_spec(cfg["policy"]["megatron_cfg"]["model_overrides"]["transformer_layer_spec"]) \
         is bridge.consistent_layer_spec
@@ -317,3 +320,147 @@ def test_the_module_registers_itself_with_megatron_bridges_target_allowlist(monk
     assert target.startswith(got[0] + ".")  # what Megatron-Bridge saves for the field matches the prefix
     del utils.register_allowed_target_prefix
     assert not bridge.allow_in_checkpoints() and len(got) == 1
+
+
+# ------------------------------------------------ the loss's logprobs: nemo-rz's output layer and log-softmax in NeMo RL
+def test_loss_logprobs_from_the_models_logits_equal_the_decoders_bit_for_bit():
+    """The GPTModel NeMo RL builds with the consistent spec and the output-layer hook, its logits handed to the loss as
+    NeMo RL hands a LOGIT loss its input (prepare_loss_input: `logits=`; packed: each sequence's padded slice of the
+    row): VocabParallelLogprobs gives the built-in Decoder's token_logprobs bit for bit, and the loss equals the
+    loss on those logprobs. Negative control: NeMo RL's own log-softmax (from_parallel_logits_to_logprobs at TP=1)
+    on the same logits differs (Megatron's output layer: test_check_script_counts_the_mismatch_of_each_stage)."""
+    from nemo_rz.algorithms.nemo_rl import ReinforceZeroLossFn
+    from nemo_rz.runtime.megatron.nemo_rl_policy import VocabParallelLogprobs
+
+    model = head_model()
+    config = provider_from_hf(hf_config(model))
+    head = VocabParallelLogprobs(HEAD_VOCAB)
+    ids, lengths = batch(HEAD_VOCAB)
+    ok = valid(lengths, ids.shape[1] - 1)
+    with torch.no_grad():
+        want = model.token_logprobs(ids)
+        gpt = build(config, bridge.consistent_layer_spec(config), model)
+        mask = torch.ones(13, 13, dtype=torch.bool).triu(1)[None, None]
+        bridge.consistent_output_layer([gpt])
+        logits = gpt(ids, torch.arange(13).expand(3, 13), mask)
+        assert torch.equal(head(logits, ids), want)
+        assert not torch.equal(check.nemo_rl_logprobs(logits, ids), want)  # NeMo RL's log-softmax
+        # sequence packing: the wrapper hands each sequence's padded slice, the data cut to its length
+        got = torch.zeros_like(want)
+        for i, n in enumerate(lengths.tolist()):
+            padded = -(-n // 8) * 8
+            row = torch.nn.functional.pad(ids[i, :n], (0, padded - n))[None]
+            got[i, : n - 1] = head(gpt(row, torch.arange(padded)[None], mask[..., :padded, :padded]), ids[i:i + 1, :n])[0]
+        assert torch.equal(got[ok], model.token_logprobs(ids, lengths)[ok])
+
+    g = torch.Generator().manual_seed(8)
+    data = {"input_ids": ids, "token_mask": torch.ones(3, 13), "sample_mask": torch.ones(3),
+            "generation_logprobs": -torch.rand(3, 13, generator=g), "prev_logprobs": torch.zeros(3, 13),
+            "advantages": torch.tensor([1.0, -0.5, 0.25])}
+    loss_fn = ReinforceZeroLossFn(logprobs_from_logits=head)
+    assert loss_fn.input_type.value == "logit"
+    leaf = logits.detach().requires_grad_(True)
+    loss, metrics = loss_fn(data=data, global_valid_seqs=torch.tensor(3), global_valid_toks=torch.tensor(36), logits=leaf)
+    ref, ref_metrics = ReinforceZeroLossFn()(data=data, global_valid_seqs=torch.tensor(3), global_valid_toks=torch.tensor(36),
+                                             next_token_logprobs=want)
+    assert torch.equal(loss.detach(), ref) and metrics == ref_metrics
+    loss.backward()
+    assert leaf.grad is not None and bool(torch.isfinite(leaf.grad).all()) and bool(leaf.grad.abs().sum() > 0)
+    with pytest.raises(ValueError, match="needs logits="):
+        loss_fn(data=data, global_valid_seqs=3, global_valid_toks=36, next_token_logprobs=want)
+    with pytest.raises(ValueError, match="ratio_source"):
+        ReinforceZeroLossFn(logprobs_from_logits=head, ratio_source="prev")
+    with pytest.raises(ValueError, match="fewer than vocab_size"):
+        VocabParallelLogprobs(HEAD_VOCAB + 7)(logits, ids)
+
+
+def test_head_over_two_tensor_parallel_ranks_equals_one_process(tmp_path):
+    """tests/nemo_rl_head_ranks.py over 2 ranks (gloo): the GPTModel's output layer at TP=2 (Megatron's
+    ColumnParallelLinear replaced by the hook), its vocabulary shards through VocabParallelLogprobs: the Decoder's
+    logprobs bit for bit on both ranks. Negative controls: NeMo RL's two-level distributed log-softmax (max and
+    exp-sum all-reduced over the shards, from_parallel_logits_to_logprobs re-implemented from its source) and the
+    ranks' shards gathered in the wrong order."""
+    from nemo_rl_head_ranks import batch as head_batch
+
+    model = head_model()
+    ids = head_batch()
+    got = launched("nemo_rl_head_ranks.py", tmp_path / "out.pt")
+    with torch.no_grad():
+        want = model.token_logprobs(ids)
+    for rank in (0, 1):
+        assert torch.equal(got["consistent"][rank], want)
+        assert not torch.equal(got["nemo_rl"][rank], want)
+        assert (got["nemo_rl"][rank] - want).abs().max() < 1e-3  # the same distribution, other rounding
+        assert not torch.equal(got["swapped"][rank], want)
+    assert got["hooked"] == [True, True]
+
+
+SETUP_MAIN = "def setup_model_and_optimizer(policy_cfg, megatron_cfg, load_optimizer=True, get_embedding_ranks=None, " \
+             "get_position_embedding_ranks=None, pre_load_checkpoint_hook=None, additional_pre_wrap_hooks=None, " \
+             "load_weights=True):\n    return additional_pre_wrap_hooks\n"
+SETUP_V06 = "def setup_model_and_optimizer(policy_cfg, megatron_cfg, load_optimizer=True, get_embedding_ranks=None, " \
+            "get_position_embedding_ranks=None):\n    return None\n"
+
+
+def _modules(setup_source: str, worker: bool):
+    """Stand-ins for nemo_rl.models.megatron.setup (setup_model_and_optimizer with NeMo RL's signature: main of
+    2026-08-22, or v0.6.0) and the Megatron policy worker module that imported the name."""
+    import types
+
+    setup = types.ModuleType("nemo_rl.models.megatron.setup")
+    exec(setup_source, setup.__dict__)
+    mods = {"nemo_rl.models.megatron.setup": setup}
+    if worker:
+        w = types.ModuleType("nemo_rl.models.policy.workers.megatron_policy_worker")
+        w.setup_model_and_optimizer = setup.setup_model_and_optimizer
+        mods[w.__name__] = w
+    return mods
+
+
+def test_install_output_layer_hooks_nemo_rls_megatron_setup():
+    """install_output_layer adds consistent_output_layer to the pre-wrap hooks NeMo RL's setup_model_and_optimizer
+    applies (the worker's call passes none; other hooks stay first), in the setup module and in the worker module's
+    imported name, once however often it is installed. Negative control: NeMo RL v0.6's function, which takes no
+    additional_pre_wrap_hooks, is refused in one line."""
+    from nemo_rz.runtime.megatron import nemo_rl_policy
+
+    mods = _modules(SETUP_MAIN, worker=True)
+    assert nemo_rl_policy.install_output_layer(mods) and nemo_rl_policy.install_output_layer(mods)
+    worker = mods[nemo_rl_policy.WORKER_MODULE]
+    assert worker.setup_model_and_optimizer({}, None, True) == [bridge.consistent_output_layer]
+    other = object()
+    setup = mods[nemo_rl_policy.SETUP_MODULE].setup_model_and_optimizer
+    assert setup({}, None, additional_pre_wrap_hooks=[other]) == [other, bridge.consistent_output_layer]
+    nemo_rl_policy.check_output_layer(mods)
+    assert nemo_rl_policy.install_output_layer({}) is False  # no NeMo RL Megatron setup in this process
+    with pytest.raises(nemo_rl_policy.NeMoRLVersionError) as e:
+        nemo_rl_policy.install_output_layer(_modules(SETUP_V06, worker=False))
+    assert "additional_pre_wrap_hooks" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(nemo_rl_policy.NeMoRLVersionError, match="does not apply nemo-rz's output layer"):
+        nemo_rl_policy.check_output_layer(_modules(SETUP_MAIN, worker=True))  # loaded after the install: refused
+
+
+def test_driver_selects_the_consistent_logprobs(nemo_rl_main, tmp_path):
+    """reinforce_zero.logprobs: consistent gives the loss VocabParallelLogprobs of the checkpoint's vocabulary (a
+    LOGIT loss); without the consistent spec, with NeMo RL's fused packed loss or a temperature it is refused."""
+    nemo_rl_main(True)
+    path = save_hf(tiny_model(0, vocab_size=61), tmp_path / "ckpt")
+
+    def master(**policy):
+        cfg = megatron_policy()
+        cfg["policy"].update(model_name=str(path), **policy)
+        cfg["reinforce_zero"] = {"logprobs": "consistent"}
+        return cfg
+
+    loss = driver.loss_from_config(master())
+    assert loss.input_type.value == "logit" and loss.logprobs_from_logits.vocab_size == 61
+    assert driver.loss_from_config({**master(), "reinforce_zero": {}}).logprobs_from_logits is None
+    no_spec = master()
+    no_spec["policy"]["megatron_cfg"]["model_overrides"] = {}
+    for cfg, words in [(no_spec, "needs NeMo RL's Megatron policy with nemo-rz's layer spec"),
+                       (master(sequence_packing={"enabled": True, "fuse_loss": True}), "fuse_loss = True"),
+                       (master(generation={"temperature": 0.7}), "policy.generation.temperature = 0.7"),
+                       ({**master(), "reinforce_zero": {"logprobs": "fast"}}, "reinforce_zero.logprobs = 'fast'")]:
+        with pytest.raises(driver.KitError) as e:
+            driver.loss_from_config(cfg)
+        assert words in str(e.value) and "\n" not in str(e.value)

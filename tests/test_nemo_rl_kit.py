@@ -85,7 +85,7 @@ NEMO_RL_KEYS = {
                                    "use_tqdm", "vllm_metrics_logger_interval"},
 }
 # Ours: read by the driver (examples/nemo_rl/run_grpo_reinforce_zero.py, loss_from_config).
-OUR_KEYS = {"reinforce_zero": {"correction", "ratio_source", "params"}}
+OUR_KEYS = {"reinforce_zero": {"correction", "ratio_source", "params", "logprobs"}}
 
 # nemo_rl/models/generation/vllm/vllm_worker.py, VllmGenerationWorker._load_model: the arguments NeMo RL passes to
 # vllm.LLM itself. `dict(<these>=..., **vllm_kwargs)` raises TypeError if vllm_kwargs repeats one of them.
@@ -414,8 +414,12 @@ STANDIN = {
             data = {"input_ids": torch.randint(0, 50, (b, s), generator=g), "token_mask": token_mask,
                     "sample_mask": torch.ones(b), "generation_logprobs": gen, "prev_logprobs": gen.clone(),
                     "advantages": torch.randn(b, 1, generator=g).expand(b, s).clone()}
+            if fn.input_type.value == "logit":  # prepare_loss_input: a LOGIT loss gets the model's (padded) logits
+                inputs = {"logits": torch.randn(b, s, fn.logprobs_from_logits.vocab_size + 3, generator=g)}
+            else:
+                inputs = {"next_token_logprobs": lp}
             loss, metrics = fn(data=data, global_valid_seqs=torch.tensor(float(b)),
-                               global_valid_toks=token_mask[:, 1:].sum(), next_token_logprobs=lp)
+                               global_valid_toks=token_mask[:, 1:].sum(), **inputs)
             policy_cfg = master_config["policy"] if V06 else master_config.policy
             spec = ((policy_cfg.get("megatron_cfg") or {}).get("model_overrides") or {}).get("transformer_layer_spec")
             spec = pickle.loads(pickle.dumps(spec))  # as Ray ships the policy config to the Megatron workers
@@ -423,6 +427,7 @@ STANDIN = {
                 "layer_spec": None if spec is None else f"{spec.__module__}.{spec.__qualname__}",
                 "loss_fn": type(loss_fn).__name__, "correction": fn.correction, "params": fn.params,
                 "loss_type": [type(fn.loss_type).__module__, fn.loss_type.value], "loss": loss.item(),
+                "input_type": fn.input_type.value,
                 "metrics": sorted(metrics),
                 "hf_overrides": policy_cfg["generation"]["vllm_kwargs"]["hf_overrides"]}))
         """,
@@ -502,6 +507,7 @@ def test_driver_runs_the_megatron_override_with_nemo_rzs_layer_spec(standin, tmp
     assert proc.returncode == 0, proc.stderr
     assert result["loss_fn"] == "ReinforceZeroLossFn"
     assert result["layer_spec"] == "nemo_rz.runtime.megatron.bridge.consistent_layer_spec"
+    assert result["input_type"] == "logit"  # reinforce_zero.logprobs: consistent (nemo-rz's log-softmax)
     bad = tmp_path / "no_checkpoint"
     bad.mkdir()
     proc, result = run_driver(bad, "--rz-config", rz, pythonpath=str(standin))

@@ -68,11 +68,62 @@ def loss_from_config(master_config):
     token_level = _get(loss_cfg, "token_level_loss", False)
     if not isinstance(token_level, bool):
         raise KitError(f"loss_fn.token_level_loss = {token_level!r}: expected true or false")
+    head = logprobs_head(master_config, rz.get("logprobs", "nemo_rl"))
     try:
         return ReinforceZeroLossFn(correction=rz.get("correction", "unclipped"), token_level_loss=token_level,
-                                   ratio_source=rz.get("ratio_source", "current"), **dict(rz.get("params") or {}))
+                                   ratio_source=rz.get("ratio_source", "current"), logprobs_from_logits=head,
+                                   **dict(rz.get("params") or {}))
     except (ValueError, KeyError, TypeError) as e:
         raise KitError(f"reinforce_zero: {e}") from None
+
+
+LOGPROBS = ("nemo_rl", "consistent")
+
+
+def logprobs_head(master_config, which):
+    """reinforce_zero.logprobs: None for NeMo RL's log-softmax (`nemo_rl`); for `consistent`, nemo-rz's over the
+    Megatron policy's logits (nemo_rz.runtime.megatron.nemo_rl_policy.VocabParallelLogprobs), after refusing what
+    would put other arithmetic between the model's logits and the loss."""
+    if which not in LOGPROBS:
+        raise KitError(f"reinforce_zero.logprobs = {which!r}: expected one of {', '.join(LOGPROBS)}")
+    if which == "nemo_rl":
+        return None
+    policy = _get(master_config, "policy", {})
+    meg = policy.get("megatron_cfg") or {}
+    spec = (meg.get("model_overrides") or {}).get("transformer_layer_spec")
+    key = "reinforce_zero.logprobs = 'consistent'"
+    named = spec in (SPEC_PATH, SPEC_PATH.replace(":", ".")) or getattr(spec, "__name__", None) == "consistent_layer_spec"
+    if not (meg.get("enabled", False) and named):
+        raise KitError(f"{key} needs NeMo RL's Megatron policy with nemo-rz's layer spec ({SPEC_KEY}: {SPEC_PATH}, "
+                       "megatron_consistent.yaml), which also gives it nemo-rz's output layer")
+    packing = policy.get("sequence_packing") or {}
+    gen = policy.get("generation") or {}
+    _refuse([
+        ("policy.sequence_packing.fuse_loss", packing.get("fuse_loss", False), lambda v: not v,
+         "NeMo RL's fused packed loss computes the logprobs itself (LOGPROB losses only): set false"),
+        ("policy.generation.temperature", gen.get("temperature", 1.0), lambda v: v == 1.0,
+         "NeMo RL divides the logits by it in the model dtype before the loss: set 1.0"),
+    ])
+    try:
+        from nemo_rz.runtime.megatron.nemo_rl_policy import VocabParallelLogprobs
+    except ImportError as e:
+        raise KitError(f"{key}: nemo-rz's Megatron side needs megatron-core where the driver runs ({e}); run the "
+                       "driver with NeMo RL's Megatron extra: uv run --extra mcore python ...") from None
+    return VocabParallelLogprobs(vocab_size(policy.get("model_name")))
+
+
+def vocab_size(model_name) -> int:
+    """The checkpoint's vocabulary size (its Hugging Face config), the one the rollout engine samples over."""
+    from transformers import AutoConfig
+
+    try:
+        size = AutoConfig.from_pretrained(model_name).vocab_size
+    except (OSError, ValueError) as e:
+        raise KitError(f"reinforce_zero.logprobs = 'consistent': the config of policy.model_name {model_name!r} "
+                       f"cannot be read ({str(e).splitlines()[0]}); set policy.model_name to the checkpoint") from None
+    if not isinstance(size, int) or size < 1:
+        raise KitError(f"policy.model_name {model_name!r}: its config's vocab_size is {size!r}, not a vocabulary size")
+    return size
 
 
 def check_generation(master_config) -> None:
@@ -168,6 +219,7 @@ def checkpoint_family(model_name, given):
 
 
 SPEC_KEY = "policy.megatron_cfg.model_overrides.transformer_layer_spec"
+SPEC_PATH = "nemo_rz.runtime.megatron.bridge:consistent_layer_spec"
 
 
 def reads_model_overrides() -> bool:

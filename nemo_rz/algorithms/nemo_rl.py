@@ -11,6 +11,11 @@ Data (a dict / BatchedDataDict, token tensors [B, S] aligned with input_ids):
     advantages ([B, S] per token or [B]), sample_mask [B]
 next_token_logprobs [B, S-1] scores input_ids[:, 1:], so every token tensor is sliced [:, 1:].
 
+With `logprobs_from_logits` (a callable (logits, input_ids) -> [B, S-1], e.g.
+nemo_rz.runtime.megatron.nemo_rl_policy.VocabParallelLogprobs) the loss asks NeMo RL for the model's logits
+instead (input_type LOGIT: NeMo RL then calls it with `logits=` rather than `next_token_logprobs=`) and computes the
+logprobs with that callable: nemo-rz's log-softmax instead of NeMo RL's.
+
 This module never imports nemo_rl. When nemo_rl is already imported (we run inside NeMo RL), the
 attributes use NeMo RL's own enums, because NeMo RL compares them with ==; otherwise small enums of
 our own with the same values.
@@ -35,6 +40,7 @@ class LossType(str, enum.Enum):
 
 
 class LossInputType(str, enum.Enum):
+    LOGIT = "logit"
     LOGPROB = "logprob"
 
 
@@ -76,15 +82,23 @@ class ReinforceZeroLossFn:
     input_type = LossInputType.LOGPROB
 
     def __init__(self, correction: str = "unclipped", token_level_loss: bool = False,
-                 ratio_source: str = "current", **params):
+                 ratio_source: str = "current", logprobs_from_logits=None, **params):
         self.correction = correction
         self.params = correction_params(correction, params)        # raises on unknown names
         if ratio_source not in ("current", "prev"):
             raise ValueError(f"ReinforceZeroLossFn: unknown ratio_source {ratio_source!r}: use current or prev")
         self.ratio_source = ratio_source
+        if logprobs_from_logits is not None and not callable(logprobs_from_logits):
+            raise ValueError(f"ReinforceZeroLossFn: logprobs_from_logits = {logprobs_from_logits!r} is not callable; "
+                             "pass a function (logits, input_ids) -> [B, S-1] logprobs, or None")
+        if logprobs_from_logits is not None and ratio_source != "current":
+            raise ValueError("ReinforceZeroLossFn: ratio_source = 'prev' with logprobs_from_logits: NeMo RL computes "
+                             "prev_logprobs with its own log-softmax, so the ratio would carry that mismatch; use "
+                             "ratio_source=current")
+        self.logprobs_from_logits = logprobs_from_logits
         lt, it, mn = _enums()
         self.loss_type = lt.TOKEN_LEVEL if token_level_loss else lt.SEQUENCE_LEVEL
-        self.input_type = it.LOGPROB
+        self.input_type = it.LOGPROB if logprobs_from_logits is None else it.LOGIT
         norm = {k: mn.TOKENS for k in _TOKEN_METRICS}
         norm.update(loss=mn.TOKENS if token_level_loss else mn.SEQUENCES, probs_ratio_min=mn.NONE,
                     probs_ratio_max=mn.NONE, num_valid_samples=mn.NONE)
@@ -93,10 +107,20 @@ class ReinforceZeroLossFn:
 
     def __call__(self, data: Mapping, global_valid_seqs, global_valid_toks,
                  next_token_logprobs: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, dict]:
-        # Later NeMo RL versions also call losses positionally as (next_token_logprobs, data, seqs, toks).
+        # Later NeMo RL versions also call losses positionally as (next_token_logprobs or logits, data, seqs, toks).
         if isinstance(data, torch.Tensor) and isinstance(global_valid_seqs, Mapping):
             data, global_valid_seqs, global_valid_toks, next_token_logprobs = (
                 global_valid_seqs, global_valid_toks, next_token_logprobs, data)
+            if self.logprobs_from_logits is not None:
+                kwargs["logits"], next_token_logprobs = next_token_logprobs, None
+        if self.logprobs_from_logits is not None:
+            if kwargs.get("logits") is None or next_token_logprobs is not None:
+                got = ", ".join(sorted([*kwargs, *(["next_token_logprobs"] if next_token_logprobs is not None else [])]))
+                raise ValueError(f"ReinforceZeroLossFn (input_type logit) needs logits=, got {got or 'nothing'}; "
+                                 "NeMo RL passes them to a loss whose input_type is LossInputType.LOGIT")
+            if "input_ids" not in data:
+                raise ValueError("ReinforceZeroLossFn: data lacks key input_ids; NeMo RL's training data must carry it")
+            next_token_logprobs = self.logprobs_from_logits(kwargs.pop("logits"), data["input_ids"])
         if next_token_logprobs is None:
             got = ", ".join(sorted(kwargs)) or "nothing"
             raise ValueError(f"ReinforceZeroLossFn needs next_token_logprobs (input_type logprob), got {got}; "

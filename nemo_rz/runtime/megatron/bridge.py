@@ -28,7 +28,8 @@ reads that field after calling the spec; `rotary_base` still gives ops.rope its 
 decoder block; the output layer is built by the GPTModel itself (Megatron's ColumnParallelLinear):
 `consistent_output_layer` is a Megatron-Bridge pre-wrap hook (`provide_distributed_model(pre_wrap_hook=...)`,
 `register_pre_wrap_hook`) that puts layers.ColumnLinear (ops.linear) in its place, keeping its parameter name
-`output_layer.weight`.
+`output_layer.weight`. Imported in a process with NeMo RL loaded, this module has NeMo RL's Megatron setup apply
+that hook to the models it builds (nemo_rl_policy.install_output_layer, the one place that changes NeMo RL).
 
 The parameter names are Megatron's local-spec names (`input_layernorm.weight`, `pre_mlp_layernorm.weight`, which
 Megatron-Bridge's Llama / Qwen mappings list beside the Transformer Engine ones), so a Megatron checkpoint to load
@@ -48,6 +49,7 @@ import collections
 import dataclasses
 import importlib
 import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -223,6 +225,10 @@ def consistent_layer_spec(config, vp_stage: int | None = None) -> ModuleSpec:
         _refuse(f"vp_stage = {vp_stage}", "the spec lists every layer of the model (one pipeline stage)",
                 "set virtual_pipeline_model_parallel_size to None")
     cfg = decoder_config(config)
+    if "nemo_rl" in sys.modules:  # built by NeMo RL's Megatron setup: it must also give the model nemo-rz's output layer
+        from nemo_rz.runtime.megatron import nemo_rl_policy
+
+        nemo_rl_policy.check_output_layer()
     if config.position_embedding_type == "rope":  # RoPE moves into the core attention (ops.rope)
         config.position_embedding_type = "none"
     block = spec.block_spec(cfg, fast=False)
@@ -272,3 +278,9 @@ def resolve_layer_spec(value):
         raise ValueError(f"{_WHERE}.transformer_layer_spec = {value!r}: Megatron-Bridge calls it as spec(config) or "
                          f"spec(config, vp_stage=...), but it takes ({', '.join(params)})")
     return fn
+
+
+if "nemo_rl" in sys.modules:  # inside NeMo RL (its Megatron workers unpickling the policy config): its output layer
+    from nemo_rz.runtime.megatron import nemo_rl_policy
+
+    nemo_rl_policy.install_output_layer()
