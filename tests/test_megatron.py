@@ -363,12 +363,33 @@ def test_the_converter_reads_the_family_map(monkeypatch):
         convert.to_megatron(moe.state_dict(), moe.config)
 
 
-def test_a_cuda_placement_is_refused_by_the_policy_until_it_moves_its_weights(monkeypatch):
-    """megatron.device=cuda places the groups; the policy, which keeps its weights on the CPU yet, says so in one
-    line instead of training there silently (negative control: the CPU placement builds)."""
+def test_the_policy_puts_its_weights_and_inputs_on_the_placements_device(monkeypatch):
+    """megatron.device=cuda: every parameter of the policy, and every input of token_logprobs, goes to the one
+    device distributed.placement gave the rank (here the meta device stands in for cuda:LOCAL_RANK, which this
+    machine lacks), and the logprobs come back on the caller's device. What still builds CPU tensors (the pipeline
+    schedule, the context-parallel layout) is refused in one line. Negative control: the CPU placement keeps both
+    on the CPU."""
     model = tiny_model(0, vocab_size=VOCAB)
-    policy(model, "consistent")
+    with ops.use_kernels("consistent"):
+        on_cpu = MegatronPolicy(model.config)
+        monkeypatch.setattr(distributed, "_PLACEMENT", distributed.Placement("gloo", torch.device("meta")))
+        placed = MegatronPolicy(model.config)
+    assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}
+    assert {p.device.type for p in placed.parameters()} == {"meta"} and placed.device == torch.device("meta")
+    seen = []
+
+    def spy(ids, lengths, temperature, mask):
+        seen.extend(t.device.type for t in (ids, lengths, mask))
+        return torch.zeros(ids.shape[0], ids.shape[1] - 1, device="cpu")
+
+    monkeypatch.setattr(placed, "_token_logprobs", spy)
+    ids, lengths = batch()
+    lp = placed.token_logprobs(ids, lengths, mask=torch.ones(ids.shape[0], ids.shape[1] - 1))
+    assert seen == ["meta"] * 3 and lp.device.type == "cpu"
     on = distributed.placement("cuda", env={"LOCAL_RANK": "0"}, cuda_devices=1)
     monkeypatch.setattr(distributed, "_PLACEMENT", on)
-    with pytest.raises(ValueError, match=r"^megatron.device = cuda: .* use megatron.device=cpu$"):
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    with pytest.raises(ValueError, match=r"^megatron.device = cuda with megatron.cp = 2: .* or megatron.cp=1$"):
         MegatronPolicy(model.config)

@@ -203,7 +203,8 @@ class MegatronLearner(Learner):
     def optimizer_state(self) -> dict:
         """Every rank's optimizer state (each holds its own shards' moments), with the layout they belong to."""
         ranks = [None] * self.world
-        dist.all_gather_object(ranks, self.opt.state_dict())
+        on_cpu = torch.utils._pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, self.opt.state_dict())
+        dist.all_gather_object(ranks, on_cpu)
         return dict(megatron=self.layout, ranks=ranks, **{a.name: a.state_dict() for a in self.aux_losses})
 
     @collective
@@ -229,7 +230,7 @@ class MegatronLearner(Learner):
             stages = [None] * dist.get_world_size(self.pp_group)
             dist.all_gather_object(stages, squares, group=self.pp_group)
             squares = [[v for stage in stages for v in stage[kind]] for kind in (0, 1)]
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=distributed.device())
         for v in squares[0] + squares[1]:
             sq += v
         return math.sqrt(float(all_gather_sum(sq.reshape(1), self.tp_group)))

@@ -12,6 +12,13 @@ Two layer specs (spec.py): `consistent` (the kernel set's default) puts nemo_rz.
 (layers.py), so the logprobs equal the built-in Decoder's and the rollout engines' bit for bit, and equal at
 every tensor-parallel size; `fast` is Megatron's own local spec (its column/row-parallel layers with their
 all-reduce, torch RMSNorm, DotProductAttention, vocab-parallel cross-entropy): the standard path to compare with.
+
+Placement (distributed.placement): the policy is built on the CPU and its parameters then moved to the rank's
+device, `distributed.device()` (cuda:LOCAL_RANK with megatron.device=cuda); token_logprobs moves its inputs there
+and hands the logprobs back on the caller's device, and state_dict / whole give CPU tensors (what the rollout
+engines and checkpoints load). The layers build every other tensor on their input's device. Megatron's pipeline
+schedule and the context-parallel token layout still build CPU tensors of their own, so megatron.device=cuda refuses
+pp > 1 and cp > 1.
 """
 from __future__ import annotations
 
@@ -52,15 +59,18 @@ class MegatronPolicy(nn.Module):
         super().__init__()
         self.fast = ops.get_kernels() != "consistent"
         spec.check_supported(cfg, self.fast)
-        if distributed.device().type != "cpu":
-            raise ValueError(f"megatron.device = {distributed.device().type}: the ranks' process groups and devices are "
-                             "placed (NCCL), but the Megatron policy does not yet move its weights and batches there; "
-                             "use megatron.device=cpu")
+        self.device = distributed.device()  # every parameter and input of this policy is moved there, and only there
         self.config, self.tp = cfg, distributed.tp_group()
         self.tp_size, self.tp_rank = dist.get_world_size(self.tp), dist.get_rank(self.tp)
         self.padded_vocab = -(-cfg.vocab_size // self.tp_size) * self.tp_size  # Megatron splits the vocabulary evenly
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_size, self.pp_rank = dist.get_world_size(self.pp_group), dist.get_rank(self.pp_group)
+        cp = parallel_state.get_context_parallel_world_size()
+        if self.device.type != "cpu" and (self.pp_size > 1 or cp > 1):
+            axis, size = ("pp", self.pp_size) if self.pp_size > 1 else ("cp", cp)
+            raise ValueError(f"megatron.device = {self.device.type} with megatron.{axis} = {size}: the pipeline schedule "
+                             "and the context-parallel token layout still build CPU tensors; use megatron.device=cpu or "
+                             f"megatron.{axis}=1")
         if cfg.num_layers % self.pp_size:
             raise ValueError(f"megatron.pp = {self.pp_size} does not divide the model's {cfg.num_layers} layers; "
                              "choose a pp that divides them")
@@ -101,6 +111,7 @@ class MegatronPolicy(nn.Module):
             for m in stage.values():
                 m.stages = routing
         self.context = context.for_policy(self)  # megatron.cp > 1: packed rows over the context-parallel ranks
+        self.to(self.device)
 
     # -- forward ----------------------------------------------------------------------------------
     def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -122,7 +133,7 @@ class MegatronPolicy(nn.Module):
     def _tokens(self, b: int, length: int, device: str) -> layers.TokenParams:
         """The layers' view of a dense [b, length] batch (reused by every layer and every step of that shape)."""
         cfg = self.config
-        t = Tokens(torch.zeros(0, dtype=torch.long), torch.arange(length, device=device).repeat(b),
+        t = Tokens(torch.zeros(0, dtype=torch.long, device=device), torch.arange(length, device=device).repeat(b),
                    torch.arange(b, device=device).repeat_interleave(length), None, (b, length))
         return layers.TokenParams(tokens=prepared(cfg, t, cfg.num_heads // self.tp_size, cfg.num_kv_heads // self.tp_size))
 
@@ -130,7 +141,13 @@ class MegatronPolicy(nn.Module):
                        mask: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [B, T-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) at `temperature`; 0 past each length
         and, with `mask` ([B, T-1]), where it is 0 (the built-in Decoder's contract; computed at every position).
-        One stage holds the whole model only at pp = 1 (under pp, data_parallel.DataParallel runs the schedule)."""
+        One stage holds the whole model only at pp = 1 (under pp, data_parallel.DataParallel runs the schedule).
+        The inputs are moved to the policy's device; the logprobs come back on input_ids' device."""
+        home = input_ids.device
+        input_ids, lengths, mask = (None if t is None else t.to(self.device) for t in (input_ids, lengths, mask))
+        return self._token_logprobs(input_ids, lengths, temperature, mask).to(home)
+
+    def _token_logprobs(self, input_ids, lengths, temperature, mask) -> torch.Tensor:
         if self.context is not None:  # the token layout of context parallelism (context.py)
             return zero_outside(self.context.token_logprobs(input_ids, lengths, temperature), mask)
         if self.pp_size > 1:
@@ -193,10 +210,11 @@ class MegatronPolicy(nn.Module):
             stages = [None] * self.pp_size
             dist.all_gather_object(stages, mine, group=self.pp_group)
             mine = {k: v for stage in stages for k, v in stage.items()}
-        return {k: v.clone() for k, v in convert.to_hf(mine, self.config).items()}
+        return {k: v.to("cpu", copy=True) for k, v in convert.to_hf(mine, self.config).items()}
 
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Whole weights in Hugging Face names (a collective over the tensor- and pipeline-parallel groups)."""
+        """Whole weights in Hugging Face names, on the CPU (a collective over the tensor- and pipeline-parallel
+        groups)."""
         return self.whole()
 
     @torch.no_grad()
