@@ -170,6 +170,17 @@ def test_grouped_top_k_and_its_tie_rule():
         ops.route_grouped_topk(torch.full((1, 4), float("nan")), 1, 2, 1)
 
 
+def test_sigmoid_rows_do_not_depend_on_the_batch():
+    """ops.sigmoid (router scores; Qwen2-MoE's one-wide shared-expert gate): a row's bits are the same alone, in any
+    slice, at any width, and within float32 rounding of torch.sigmoid."""
+    g = torch.Generator().manual_seed(0)
+    for width in (1, 3, 8, 16, 20):
+        z = torch.randn(37, width, generator=g)
+        full = ops.sigmoid(z)
+        assert all(torch.equal(ops.sigmoid(z[i:i + n]), full[i:i + n]) for n in (1, 5, 9) for i in range(0, 37 - n))
+        assert (full - torch.sigmoid(z)).abs().max() < 1e-6
+
+
 # -- zero mismatch on the built-in engine -------------------------------------------------------------------
 def _engine_model(seed: int = 0, **overrides) -> Decoder:
     torch.manual_seed(seed)

@@ -42,6 +42,10 @@ FAMILIES = {
     "qwen3-moe-sliding": ("Qwen3MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4,
                                                 num_experts_per_tok=2, decoder_sparse_step=2, use_sliding_window=True,
                                                 sliding_window=WINDOW, attention_bias=True)),
+    "qwen2-moe-shared-expert": ("Qwen2MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                                      num_experts_per_tok=2, shared_expert_intermediate_size=48,
+                                                      mlp_only_layers=[2], use_sliding_window=True, sliding_window=WINDOW,
+                                                      max_window_layers=2)),
     "gpt-oss": ("GptOssConfig", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                                      rope_parameters=dict(YARN, truncate=False))),
     "gemma3": ("Gemma3TextConfig", dict(intermediate_size=96, sliding_window=WINDOW, sliding_window_pattern=2,
@@ -245,6 +249,8 @@ ENGINE_MODELS = {
                          attention_bias=True, o_proj_bias=True, moe_layers=[0, 2], qk_norm=False,
                          rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)),
     "qwen3-moe-like": dict(num_experts=6, num_experts_per_tok=2, moe_kind="qwen3", norm_topk_prob=False),
+    "qwen2-moe-like": dict(num_experts=6, num_experts_per_tok=2, moe_kind="qwen3", shared_expert_intermediate_size=40,
+                           qk_norm=False, attention_bias=True),
     "gemma-like": dict(norm="gemma", sandwich_norm=True, hidden_act="gelu_tanh", embed_scale=True, rope_local_theta=1e4,
                        query_pre_attn_scalar=24.0, tie_word_embeddings=True),
 }
@@ -278,6 +284,7 @@ def _generate(model, prompts, max_batch_size, prefill_chunk, engine=None, seed=4
 
 @pytest.mark.parametrize("kind, max_batch, chunk", [
     ("gpt-oss-like", 7, 5), ("qwen3-moe-like", 7, 5), ("gemma-like", 7, 5), ("qwen3-moe-like", 64, 3), ("gpt-oss-like", 1, None),
+    ("qwen2-moe-like", 7, 5),
 ])
 def test_engine_matches_learner(kind, max_batch, chunk):
     model = _engine_model(kind)

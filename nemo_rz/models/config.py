@@ -67,6 +67,7 @@ class DecoderConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # deepseek: the routed experts' weights times this
     n_shared_experts: int = 0  # deepseek: always-on experts, one MLP of n_shared_experts * moe_intermediate_size
+    shared_expert_intermediate_size: int = 0  # qwen3: > 0 adds a sigmoid-gated shared expert (Qwen2-MoE)
     # -- multi-head latent attention (attention_kind "mla"; head_dim is then the RoPE part of a query/key head) --
     attention_kind: str = "gqa"
     q_lora_rank: int | None = None  # None: queries by one projection; else a low-rank pair with a norm between
@@ -143,8 +144,10 @@ class DecoderConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
                 raise ValueError(f"DecoderConfig.{name} = {value!r}: must be a positive finite number")
-        if isinstance(self.n_shared_experts, bool) or not isinstance(self.n_shared_experts, int) or self.n_shared_experts < 0:
-            raise ValueError(f"DecoderConfig.n_shared_experts = {self.n_shared_experts!r}: must be 0 or a positive integer")
+        for name in ("n_shared_experts", "shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"DecoderConfig.{name} = {value!r}: must be 0 or a positive integer")
         if self.attention_kind == "mla":
             for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim") + (("q_lora_rank",) if self.q_lora_rank is not None else ()):
                 value = getattr(self, name)

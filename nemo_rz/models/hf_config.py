@@ -377,7 +377,7 @@ def _structure(cfg: DecoderConfig) -> dict:
              moe=[cfg.is_moe(i) for i in range(cfg.num_layers)])
     if not cfg.num_experts:
         for key in ("num_experts_per_tok", "moe_intermediate_size", "moe_kind", "norm_topk_prob", "swiglu_limit",
-                    "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts"):
+                    "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts", "shared_expert_intermediate_size"):
             d.pop(key)
     if cfg.query_pre_attn_scalar is None:
         d["query_pre_attn_scalar"] = float(cfg.head_dim)

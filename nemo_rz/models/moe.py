@@ -141,13 +141,24 @@ class Qwen3MoeExperts(nn.Module):
 
 
 class Qwen3Moe(_Routed):
-    """Router `gate` (no bias): softmax over all experts, top-k, renormalised when norm_topk_prob."""
+    """Router `gate` (no bias): softmax over all experts, top-k, renormalised when norm_topk_prob. With
+    shared_expert_intermediate_size (Qwen2-MoE) a shared expert too, scaled by sigmoid(shared_expert_gate(x))
+    (ops.sigmoid, float32, then the model dtype) and added once after the routed combine."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.cfg = cfg
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, False, cfg.torch_dtype)
         self.experts = Qwen3MoeExperts(cfg)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, cfg.torch_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = super().forward(x)
+        if not self.cfg.shared_expert_intermediate_size:
+            return routed
+        return routed + ops.sigmoid(self.shared_expert_gate(x)).to(x.dtype) * self.shared_expert(x)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights [N, k] float32, experts [N, k])."""

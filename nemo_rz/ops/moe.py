@@ -13,6 +13,7 @@ Where a batch changes a token's bits in a MoE layer, and what the consistent for
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from nemo_rz.ops.dispatch import compute_dtype, on_gpu_kernels
 from nemo_rz.ops.kernel_set import consistent
@@ -44,11 +45,14 @@ def _library_softmax(x: torch.Tensor) -> torch.Tensor:
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """Element-wise sigmoid of x [N, E] in float32 (DeepSeek's router scores); each row's bits never depend on
-    the other rows (a probed row-wise library route, else fixed row tiles, as `softmax`)."""
+    the other rows (a probed row-wise library route, else fixed row tiles, as `softmax`). Rows narrower than 16
+    values (a shared expert's one gate) are zero-padded to 16, so no element lands in a vector loop's scalar tail."""
     if not consistent():
         return torch.sigmoid(x.float())
     dt = compute_dtype(x)
     rows = x if x.dtype == dt else x.to(dt)
+    if x.shape[-1] % 16:
+        return sigmoid(F.pad(rows, (0, (-x.shape[-1]) % 16)))[:, : x.shape[-1]]
     route = rowwise_route("sigmoid", torch.sigmoid, x.shape[-1], dt, x.device)
     if route is not None:
         return by_rows(torch.sigmoid, rows, route)

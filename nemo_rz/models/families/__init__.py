@@ -34,7 +34,7 @@ def unregister(architecture: str) -> None:
 
 
 # the order messages list them in (the most used first); modules not named here follow, by name
-_ORDER = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "gpt_oss", "gemma3", "deepseek_v3")
+_ORDER = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "qwen2_moe", "gpt_oss", "gemma3", "deepseek_v3")
 for _info in sorted(pkgutil.iter_modules(__path__),
                     key=lambda m: (m.name not in _ORDER, _ORDER.index(m.name) if m.name in _ORDER else 0, m.name)):
     if _info.name == "base":
