@@ -126,6 +126,34 @@ def test_kimi_k2_configs_and_mtp_layers_load(hf_root, tmp_path):
     assert _diff(load_hf(tmp_path), ids, _reference(src, ids)) < TOL
 
 
+def test_fp8_block_scaled_checkpoints_decode_exactly(hf_root, tmp_path):
+    """An FP8 release's layout (E4M3 codes, 128x128 `weight_scale_inv` tiles) on every projection, the per-expert
+    and shared experts included, loads as the float checkpoint of the decoded values, bit for bit."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_quantized_checkpoints import _fp8_tiles
+
+    src = _hf_dir("q-lora", hf_root)
+    tensors = load_file(f"{src}/model.safetensors")
+    quantized, decoded = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith("proj.weight") or n.endswith("proj_with_mqa.weight")]:
+        codes, scale_inv, decoded[name] = _fp8_tiles(tensors[name])
+        quantized[name], quantized[name + "_scale_inv"] = codes, scale_inv
+    for d, content in (("fp8", quantized), ("decoded", decoded)):
+        (tmp_path / d).mkdir()
+        shutil.copy(f"{src}/config.json", tmp_path / d / "config.json")
+        save_file(content, str(tmp_path / d / "model.safetensors"))
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                  "activation_scheme": "dynamic"}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
+    mine, theirs = load_hf(tmp_path / "fp8").state_dict(), load_hf(tmp_path / "decoded").state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert not torch.equal(theirs["model.layers.1.self_attn.kv_b_proj.weight"],
+                           load_hf(src).state_dict()["model.layers.1.self_attn.kv_b_proj.weight"])  # FP8 rounded them
+
+
 @pytest.mark.parametrize("breakage", ["rope_interleave", "attention_scale", "selection_bias"])
 def test_negative_controls_the_parity_bound_can_fail(breakage, hf_root, monkeypatch):
     path = _hf_dir("q-lora-yarn", hf_root)
