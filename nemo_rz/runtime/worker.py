@@ -49,7 +49,8 @@ class RolloutWorker:
         elif generation_backend == "vllm":
             self.engine = None  # built on the first load(), from the weights it must start with
             self._vllm_args = dict(config=cfg, max_batch_size=max_batch_size, max_model_len=max_model_len,
-                                   temperature=temperature, kernels=kernels, multiprocess=False, precision=precision)
+                                   temperature=temperature, kernels=kernels, multiprocess=False, precision=precision,
+                                   lora=lora)
         else:
             raise ValueError(f"generation.backend = {generation_backend!r}: use builtin or vllm")
 

@@ -42,6 +42,7 @@ from nemo_rz.generation.vllm import ARCH
 from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.decoder import Decoder
 from nemo_rz.models.hf_config import architecture_for
+from nemo_rz.models.lora import LoraSpec, adapted, apply_lora, is_adapter
 
 WORKER_EXTENSION = "nemo_rz.generation.vllm.worker.NemoRZWorkerExtension"
 
@@ -218,7 +219,8 @@ class VLLMRolloutEngine:
     two full batches; VLLM_CPU_KVCACHE_SPACE overrides it); multiprocess: run vLLM's engine core and worker in
     separate processes (None: vLLM's default, or in-process inside a daemon process, which may not have
     children); precision: a `nemo_rz.quant` precision (recipe name, mapping of `precision.*` or Precision),
-    applied to the model inside vLLM as the learner applies it to its own; vllm_kwargs: further `vllm.LLM`
+    applied to the model inside vLLM as the learner applies it to its own; lora: the LoRA spec (models/lora.py;
+    default: a Decoder's own), its adapters on nemo-rz's model inside vLLM, computed by nemo-rz's ops; vllm_kwargs: further `vllm.LLM`
     arguments that do not touch consistency.
     """
 
@@ -239,13 +241,15 @@ class VLLMRolloutEngine:
         kv_cache_bytes: int | None = None,
         multiprocess: bool | None = None,
         precision=None,
+        lora: dict | None = None,
         vllm_kwargs: dict | None = None,
     ):
         vllm_kwargs = dict(vllm_kwargs or {})
         kernels = _checked_arguments(vllm_kwargs, temperature, block_size, max_batch_size, kernels)
 
         self._tmp = None
-        path, self.config = self._checkpoint(model, config, dtype)
+        self.lora = LoraSpec.of(lora if lora is not None else getattr(model, "lora_spec", None))
+        path, self.config, adapters = self._checkpoint(model, config, dtype)
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 1024)
         if self.max_model_len > self.config.max_position_embeddings:
@@ -267,7 +271,8 @@ class VLLMRolloutEngine:
         self.weight_version = int(weight_version)
         self._requests_seen = 0
         self.stats = collections.Counter()
-        self._param_names = set(self._expected_names(self.config))
+        self._param_names = set(self._expected_names(self.config, self.lora))
+        self._adapter_names = {k for k in self._param_names if is_adapter(k)}
 
         self.multiprocess = _checked_multiprocess(multiprocess)
         if kv_cache_bytes is None:
@@ -275,6 +280,8 @@ class VLLMRolloutEngine:
         try:
             with _engine_start(self.multiprocess):
                 self.llm = self._make_llm(path, self.config, kernels, block_size, prefix_caching, kv_cache_bytes, batched, vllm_kwargs)
+            if self.lora.enabled:  # the checkpoint held the base: the adapters arrive as every later version's do
+                self.update_weights(adapters, self.weight_version)
         except BaseException:
             self.close()
             raise
@@ -289,6 +296,7 @@ class VLLMRolloutEngine:
             hf_overrides={"architectures": [ARCH], "nemo_rz_architecture": architecture_for(cfg),
                           "nemo_rz_temperature": self.temperature, "nemo_rz_kernels": kernels,
                           "nemo_rz_precision": self.precision,
+                          "nemo_rz_lora": self.lora.as_dict() if self.lora.enabled else None,
                           # Every layer gets a full-length paged cache: nemo_rz.ops applies each layer's window
                           # itself, and one cache group keeps one block table for all layers.
                           "sliding_window": None},
@@ -309,7 +317,8 @@ class VLLMRolloutEngine:
         )
 
     # -- set-up ------------------------------------------------------------------------------------------------
-    def _checkpoint(self, model, config: DecoderConfig | None, dtype: str | None) -> tuple[Path, DecoderConfig]:
+    def _checkpoint(self, model, config: DecoderConfig | None, dtype: str | None) -> tuple[Path, DecoderConfig, dict]:
+        """(the checkpoint vLLM starts from, the config it runs, the LoRA adapter tensors kept out of it)."""
         from nemo_rz.models.hf import CONFIG_FILE, config_from_hf, read_json, save_hf
 
         if isinstance(model, (str, os.PathLike)):
@@ -318,7 +327,18 @@ class VLLMRolloutEngine:
                 raise ValueError(f"VLLMRolloutEngine: {root} is not a checkpoint directory (no {CONFIG_FILE}); "
                                  "pass a Hugging Face checkpoint directory")
             cfg = config_from_hf(read_json(root / CONFIG_FILE), str(root / CONFIG_FILE), dtype)
-            return root, cfg
+            if self.lora.enabled:
+                raise ValueError("VLLMRolloutEngine: lora= needs the adapters' weights: pass a Decoder or a state dict")
+            return root, cfg, {}
+        adapters = {}
+        if isinstance(model, Decoder) and adapted(model):  # the base goes to the checkpoint, the adapters after it
+            model, config = model.state_dict(), model.config
+        if isinstance(model, dict) and any(is_adapter(k) for k in model):
+            adapters = {k: v for k, v in model.items() if is_adapter(k)}
+            model = {k: v for k, v in model.items() if not is_adapter(k)}
+        if bool(adapters) != self.lora.enabled:
+            raise ValueError("VLLMRolloutEngine: " + ("the weights hold LoRA adapters: pass lora= (their rank, alpha, "
+                             "modules)" if adapters else "lora= needs weights that hold the adapters"))
         if isinstance(model, Decoder):
             decoder = model
         elif isinstance(model, dict):
@@ -342,12 +362,12 @@ class VLLMRolloutEngine:
             d = json.loads((root / CONFIG_FILE).read_text())
             d["dtype"] = cfg.dtype
             (root / CONFIG_FILE).write_text(json.dumps(d, indent=2))
-        return root, cfg
+        return root, cfg, adapters
 
     @staticmethod
-    def _expected_names(cfg: DecoderConfig) -> list[str]:
+    def _expected_names(cfg: DecoderConfig, spec: LoraSpec) -> list[str]:
         with torch.device("meta"):
-            return list(Decoder(cfg).state_dict())
+            return list(apply_lora(Decoder(cfg), spec).state_dict())
 
     def close(self) -> None:
         """Shut vLLM down and delete the temporary checkpoint (if one was written)."""
@@ -386,7 +406,8 @@ class VLLMRolloutEngine:
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, parts: dict | None = None) -> None:
         """Load new weights (HF / Decoder names) into every vLLM worker between generate calls, then drop the
         prefix cache (its keys/values belong to the old weights). No part travels here: a draft runs in the
-        built-in engine only."""
+        built-in engine only. With LoRA adapters: the whole state dict, or the adapters' tensors alone (float32,
+        swapped in place in nemo-rz's model inside vLLM; vLLM's own LoRA path is not used)."""
         from safetensors.torch import save
 
         if parts:
@@ -394,13 +415,14 @@ class VLLMRolloutEngine:
                              "speculative rollouts run in the built-in engine (generation.backend=builtin)")
 
         names = set(state_dict)
-        if names != self._param_names:
+        if names != self._param_names and not (self._adapter_names and names == self._adapter_names):
             missing, extra = sorted(self._param_names - names), sorted(names - self._param_names)
             raise ValueError(
                 f"update_weights: state dict does not match the model (missing {missing[:3]}, unexpected {extra[:3]}); "
                 "pass the Decoder's full state_dict()"
             )
-        blob = save({k: v.detach().to("cpu", self.config.torch_dtype).contiguous() for k, v in state_dict.items()})
+        blob = save({k: v.detach().to("cpu", torch.float32 if is_adapter(k) else self.config.torch_dtype).contiguous()
+                     for k, v in state_dict.items()})
         loaded = self.llm.collective_rpc("nemo_rz_load_weights", args=(blob, int(version)))
         if any(n != len(names) for n in loaded):
             raise RuntimeError(f"update_weights: a vLLM worker loaded {loaded} tensors, expected {len(names)}")

@@ -34,6 +34,7 @@ from nemo_rz.models import families
 from nemo_rz.models.config import DTYPES
 from nemo_rz.models.decoder import Decoder, Tokens
 from nemo_rz.models.hf import CONFIG_FILE, config_from_hf
+from nemo_rz.models.lora import apply_lora, is_adapter
 from nemo_rz.quant.apply import apply_precision
 
 
@@ -72,7 +73,8 @@ class NemoRZForCausalLM(nn.Module):
         self.kernels = getattr(hf, "nemo_rz_kernels", None) or ops.get_kernels()
         if self.kernels not in ops.KERNELS:
             raise ValueError(f"nemo_rz vLLM backend: nemo_rz_kernels={self.kernels!r}: use one of {', '.join(ops.KERNELS)}")
-        self.decoder = apply_precision(Decoder(cfg).requires_grad_(False), getattr(hf, "nemo_rz_precision", None))
+        self.decoder = apply_lora(apply_precision(Decoder(cfg), getattr(hf, "nemo_rz_precision", None)),
+                                  getattr(hf, "nemo_rz_lora", None)).requires_grad_(False)
         # Parameter-free: they register cache-scale buffers only, so named_parameters() is the Decoder's.
         self.layer_names = [f"{prefix}model.layers.{i}.self_attn.attn" for i in range(cfg.num_layers)]
         self.kv_layers = nn.ModuleList(
@@ -157,6 +159,8 @@ class NemoRZForCausalLM(nn.Module):
         # The loaders write through .data, which no version counter sees: drop every copy derived from the old
         # weights (GEMM operands, expert layouts, float32 and quantized copies; ops.weight_cache).
         ops.forget_weight_copies(self)
+        if loaded and not any(is_adapter(n) for n in loaded):  # the start checkpoint holds the base: the LoRA
+            loaded |= {n for n, _ in self.named_parameters() if is_adapter(n)}  # adapters follow as an update
         return loaded
 
     @staticmethod
