@@ -35,7 +35,8 @@ setup(
         "math": ["math-verify"],  # the `math` verifier
         "bench": ["trl>=1.16,<1.17", "datasets"],  # benchmarks/vs_trl.py: TRL's GRPOTrainer (its 1.16 config fields and hooks)
         "dev": ["pytest", "hypothesis", "ruff", "transformers>=4.56", "tokenizers", "jinja2", "gguf>=0.19", "accelerate", "math-verify",
-                "triton>=3.7", "torchao>=0.18,<0.19"],  # torchao: the MX/NVFP4 cross-checks in test_quant.py
+                "triton>=3.7", "torchao>=0.18,<0.19", "peft>=0.17"],  # torchao: the MX/NVFP4 cross-checks in test_quant.py;
+        # peft: tests/test_lora_peft.py checks nemo-rz's PEFT adapter files against it (nemo-rz reads and writes them itself)
     },
     entry_points={
         "console_scripts": ["nemo-rz-train=nemo_rz.train:main"],
