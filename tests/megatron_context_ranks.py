@@ -176,6 +176,14 @@ def main(out: str) -> None:
             got["rl_weights"], got["rl_mirror"] = lrn.state_dict_copy(), m.state_dict()
             lrn.stop()
     got.update(_cotrained("draft"))
+    with ops.use_kernels("consistent"):  # a batch cut into two forwards: the draft's one packed row is refused
+        if rank:
+            MegatronLearner.follow()
+        else:
+            mirror = model()
+            lrn = learner(mirror, Layout(cp=2, grad_shares=2))
+            got["shares_refused"] = _refusal(lambda: lrn.add_aux_loss(draft(mirror)))
+            lrn.stop()
     # Negative control: the same draft step without the branch attention.
     ring.draft_attention = _without_branch
     try:

@@ -107,6 +107,9 @@ def test_cp2_learner_update_matches_cp1(ranks):
 def test_what_the_ring_does_not_compute_is_refused_in_one_line(ranks):
     assert "megatron.cp = 2 with kernels=fast" in ranks["fast_refused"] and "\n" not in ranks["fast_refused"]
     assert "this model has sliding-window attention" in ranks["window_refused"]
+    # A co-trained draft trains over the ranks of the batch's one forward: more forwards (grad_shares) are refused.
+    assert "megatron.grad_shares = 2 cut the batch into 2 forwards" in ranks["shares_refused"]
+    assert "\n" not in ranks["shares_refused"]
 
 
 def _builtin_draft():
