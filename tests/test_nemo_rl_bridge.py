@@ -202,6 +202,7 @@ def test_check_script_counts_the_mismatch_of_each_stage(tmp_path):
     provider, _ = check.provider_for(path, "bfloat16")
     got = check.check(path, "bfloat16", provider, rows=8, length=48)
     assert got["consistent spec + output hook, dense"][0] == 0 and got["consistent spec + output hook, packed"][0] == 0
+    assert got["consistent spec + output hook + the loss's VocabParallelLogprobs, packed"][0] == 0
     for what in ("consistent spec, stock output layer, packed", "... + NeMo RL's log-softmax, packed"):
         diff, n, worst = got[what]
         assert 0 < diff <= n and 0 < worst < 0.1, (what, got[what])

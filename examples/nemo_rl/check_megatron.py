@@ -5,7 +5,9 @@ packing: one [1, T] row with thd PackedSeqParams), against nemo-rz's own model (
 the same tokens and weights. It prints, of the predicted tokens, how many logprobs differ from nemo-rz's:
 
 - `consistent spec + output hook`: the model's logits through ops.token_logprobs, with the output layer replaced by
-  `consistent_output_layer` (what a driver that controls the model build gets): 0 is the contract;
+  `consistent_output_layer` (what NeMo RL's Megatron setup applies once bridge.py is imported there), and through
+  the loss's own nemo_rl_policy.VocabParallelLogprobs (what the loss computes with reinforce_zero.logprobs:
+  consistent): 0 is the contract;
 - `consistent spec, stock output layer`: the same without the hook (what NeMo RL builds: Megatron's
   ColumnParallelLinear as the output layer);
 - `... + NeMo RL's log-softmax`: those logits through NeMo RL's own logprob recipe at TP=1 (float32 logits, max
@@ -208,6 +210,7 @@ def check(path: Path, dtype: str, provider, rows: int, length: int, seed: int = 
     from nemo_rz import ops
     from nemo_rz.models.hf import load_hf
     from nemo_rz.runtime.megatron import bridge
+    from nemo_rz.runtime.megatron.nemo_rl_policy import VocabParallelLogprobs
 
     ops.set_kernels("consistent")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -229,8 +232,11 @@ def check(path: Path, dtype: str, provider, rows: int, length: int, seed: int = 
         out["Megatron's local spec + NeMo RL's log-softmax, dense"] = (
             int((lp[ok] != want[ok]).sum()), int(ok.sum()), float((lp[ok] - want[ok]).abs().max()))
         bridge.consistent_output_layer([gpt])
+        head = VocabParallelLogprobs(decoder.config.vocab_size)  # the loss's, with reinforce_zero.logprobs: consistent
         for name, lp in (("consistent spec + output hook, dense", dense(gpt, ids)),
-                         ("consistent spec + output hook, packed", packed(gpt, ids, lengths))):
+                         ("consistent spec + output hook, packed", packed(gpt, ids, lengths)),
+                         ("consistent spec + output hook + the loss's VocabParallelLogprobs, packed",
+                          packed(gpt, ids, lengths, to_logprobs=head))):
             out[name] = (int((lp[ok] != want[ok]).sum()), int(ok.sum()), float((lp[ok] - want[ok]).abs().max()))
     return out
 

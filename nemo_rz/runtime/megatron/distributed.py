@@ -4,7 +4,8 @@ tensor/data-parallel groups, and the two work-arounds megatron-core 0.16 needs t
 The learner runs on the CPU by default, as the trainer around it does (megatron.device=cpu: gloo). With
 megatron.device=cuda each rank computes on cuda:LOCAL_RANK with NCCL for CUDA tensors and gloo for the CPU ones
 (the learner's messages, the batch), one backend per tensor's device ("cpu:gloo,cuda:nccl"); `placement` says
-which a rank's environment gives. The rendezvous is a FileStore in a private directory, and gloo and NCCL are
+which a rank's environment gives, and `device()` is the one place the Megatron policy (model.py) takes its device
+from: its parameters and every batch go there. The rendezvous is a FileStore in a private directory, and gloo and NCCL are
 told to use the loopback interface, so nothing listens on a network interface (the launcher, launch.py, sets the
 environment for its ranks).
 
