@@ -31,7 +31,7 @@ def test_the_channel_delivers_each_micro_batch_as_aux_features_records_it():
     h = model.config.hidden_size
     like = torch.empty_like(want[0][:, :h])
     assert torch.equal(tap.take(1, 0, like), want[1][:, :h])  # one point alone
-    assert torch.equal(tap.features(0, like), want[0])
+    assert torch.equal(torch.cat([tap.take(0, n, like) for n in range(len(AUX))], -1), want[0])
     assert torch.equal(torch.cat([tap.take(1, n, like) for n in (1, 2)], -1), want[1][:, h:])
     assert not tap._kept  # every point taken once
     # negative control: the other micro-batch's features are not these

@@ -45,17 +45,14 @@ class TapChannel:
             self._sending.append((x, dist.isend(x, group=self.group, group_dst=self.consumer,
                                                 tag=self._tag(micro_batch, index))))
 
-    def take(self, micro_batch: int, index: int, like: torch.Tensor) -> torch.Tensor:
-        """On the consumer: point `index` of `micro_batch` (`like`: a tensor of its shape and dtype)."""
+    def take(self, micro_batch: int, index: int, like: torch.Tensor | None) -> torch.Tensor:
+        """On the consumer: point `index` of `micro_batch` (`like`: a tensor of its shape and dtype; None for a
+        point computed here)."""
         x = self._kept.pop((micro_batch, index), None)
         if x is None:
             x = torch.empty_like(like)
             dist.irecv(x, group=self.group, group_src=self.owner(micro_batch, index), tag=self._tag(micro_batch, index)).wait()
         return x
-
-    def features(self, micro_batch: int, like: torch.Tensor) -> torch.Tensor:
-        """On the consumer: every point of `micro_batch`, concatenated in the points' order on the last dim."""
-        return torch.cat([self.take(micro_batch, n, like) for n in range(len(self.points))], dim=-1)
 
     @contextlib.contextmanager
     def tapping(self, modules: Mapping[int, nn.Module], micro_batch: Callable[[], int],
