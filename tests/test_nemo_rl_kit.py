@@ -284,6 +284,7 @@ def test_checks_pass_on_the_override_and_fill_the_architecture(ckpt):
     ("policy.generation.vllm_kwargs.hf_overrides.nemo_rz_kernels=exact", "nemo_rz_kernels = 'exact'"),
     ("policy.generation.vllm_kwargs.hf_overrides.nemo_rz_precision.recipe=fp8_block", "nemo_rz_precision = {"),
     ("policy.generation.vllm_kwargs.hf_overrides.nemo_rz_precision.recipe=fp9", "nemo_rz_precision = {"),
+    ("policy.generation.vllm_kwargs.hf_overrides.nemo_rz_lora.rank=8", "nemo_rz_lora = {"),
     ("policy.generation.vllm_cfg.precision=float32", "vllm_cfg.precision = 'float32'"),  # learner in bfloat16
     ("policy.precision=fp8", "vllm_cfg.precision = 'fp8'"),
     ("policy.generation.vllm_cfg.kv_cache_dtype=fp8", "kv_cache_dtype = 'fp8'"),

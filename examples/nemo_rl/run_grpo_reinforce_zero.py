@@ -163,6 +163,8 @@ def check_generation(master_config) -> None:
          f"use one of {', '.join(KERNELS)}"),
         (f"{h}.nemo_rz_precision", overrides.get("nemo_rz_precision"), _unquantized,
          "NeMo RL's learner runs unquantized linears; quantized rollout linears would give other logprobs: set null"),
+        (f"{h}.nemo_rz_lora", overrides.get("nemo_rz_lora"), lambda v: v is None,
+         "NeMo RL's learner trains no nemo-rz LoRA adapters, so the rollout's would give other logprobs: set null"),
         (f"{c}.precision", cfg.get("precision"), lambda v: v in ("float32", "bfloat16") and v == learner_dtype,
          f"rollout and learner must use one dtype, float32 or bfloat16 (policy.precision is {learner_dtype!r})"),
         (f"{c}.kv_cache_dtype", cfg.get("kv_cache_dtype", "auto"), lambda v: v == "auto",
