@@ -177,13 +177,21 @@ def test_os_errors_are_one_line(tmp_path, capsys, monkeypatch, code, where):
 def test_ctrl_c_is_one_line_and_the_run_resumes(tmp_path):
     run_dir = tmp_path / "r"
     cmd = [sys.executable, "-m", "nemo_rz.train", *TINY, f"run_dir={run_dir}", "algo.updates=100000"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.stat().st_size) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
-    out, err = proc.communicate(timeout=120)
+    # A terminal's job gets SIGINT at its default even where this process ignores it (a background job's shell
+    # sets SIG_IGN, which exec keeps and Python then honours: no KeyboardInterrupt at all).
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.stat().st_size) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+        out, err = proc.communicate(timeout=120)
+    finally:  # a run of 100000 updates left behind would load the machine for the rest of the suite
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
     assert proc.returncode == 130, err
     assert err == f"interrupted; resume with resume={run_dir}\n"
     assert train.main([f"resume={run_dir}", "algo.updates=4"]) == 0

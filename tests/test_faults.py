@@ -21,8 +21,9 @@ from nemo_rz.runtime.local import LocalBackend
 from nemo_rz.runtime.restarts import RestartBudget, WorkerFailed
 from nemo_rz.runtime.trainer import Trainer
 
+# (2 warm-up steps: what these tests check, here and in test_checkpoint_safety/test_security, needs no reward)
 TINY = [
-    "task.name=add1", "warmup.steps=40", "warmup.lr=0.003", "algo.prompts_per_update=4", "algo.group_size=4", "eval.n=16",
+    "task.name=add1", "warmup.steps=2", "warmup.lr=0.003", "algo.prompts_per_update=4", "algo.group_size=4", "eval.n=16",
     "eval.every=0", "model.hidden_size=32", "model.intermediate_size=64", "progress=false", "metrics.tensorboard=false",
     "metrics.decomposition_every=0",
 ]

@@ -43,15 +43,20 @@ def _train(python: Path, cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
+def wheel(tmp_path_factory) -> Path:
+    """The wheel of a copy of the source tree, built once: each test installs it into a virtual environment of
+    its own."""
     src = tmp_path_factory.mktemp("src") / "nemo-rz"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "runs", "build", "dist", "*.egg-info", "__pycache__",
-                                                             ".pytest_cache", ".hypothesis"))
-    return src
+    anywhere = shutil.ignore_patterns(".git", "runs", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis")
+
+    def ignore(folder, names):  # and, at the top only, the checkout's virtual environment and models (gigabytes)
+        return anywhere(folder, names) | ({".venv", "models"} & set(names) if Path(folder) == ROOT else set())
+
+    shutil.copytree(ROOT, src, ignore=ignore)
+    return _wheel(src, tmp_path_factory.mktemp("dist"))
 
 
-def test_wheel_runs_from_any_folder(source, tmp_path):
-    wheel = _wheel(source, tmp_path / "dist")
+def test_wheel_runs_from_any_folder(wheel, tmp_path):
     python = _venv(tmp_path / "venv", wheel)
     where = subprocess.run([str(python), "-c", "import nemo_rz.config as c; print(c.__file__); print(c.DEFAULT)"],
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split()
@@ -64,9 +69,8 @@ def test_wheel_runs_from_any_folder(source, tmp_path):
     assert json.loads((work / "run" / "summary.json").read_text())["updates"] == 2
 
 
-def test_negative_control_wheel_without_conf(source, tmp_path):
+def test_negative_control_wheel_without_conf(wheel, tmp_path):
     """The same wheel with its packaged config removed from the install fails to start, naming the file."""
-    wheel = _wheel(source, tmp_path / "dist")
     assert any(n.startswith("nemo_rz/kernels/") for n in zipfile.ZipFile(wheel).namelist())  # the Triton kernels ship too
     python = _venv(tmp_path / "venv", wheel)
     conf = subprocess.run([str(python), "-c", "import nemo_rz.config as c, pathlib; print(pathlib.Path(c.DEFAULT).parent)"],

@@ -34,9 +34,18 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_async_run_respects_lag_and_accounts_for_every_trajectory(tmp_path):
-    trainer, summary = _run(tmp_path, "a", "algo.updates=6", "algo.max_lag=2")
-    rows = _metrics(tmp_path / "a")
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    """(summary, run directory) of a 6-update run at max_lag 2: checked itself, and the uninterrupted run that a
+    stopped and resumed one must equal."""
+    root = tmp_path_factory.mktemp("async")
+    _, summary = _run(root, "a", "algo.updates=6", "algo.max_lag=2")
+    return summary, root / "a"
+
+
+def test_async_run_respects_lag_and_accounts_for_every_trajectory(async_run):
+    summary, run_dir = async_run
+    rows = _metrics(run_dir)
     assert [r["lag"] for r in rows] == [0, 1, 2, 2, 2, 2]
     assert summary["produced"] == summary["trained"] == 6 * 16 and summary["pending"] == 0
     assert summary["lag_histogram"] == [1, 1, 4]
@@ -64,20 +73,20 @@ def test_crashed_worker_is_restarted_and_its_batch_reissued(tmp_path):
     assert [r["batch"] for r in rows] == [0, 1, 2, 3]
 
 
-def test_resume_continues_bit_exactly(tmp_path):
-    _run(tmp_path, "full", "algo.updates=6", "algo.max_lag=2")
+def test_resume_continues_bit_exactly(tmp_path, async_run):
+    _, full = async_run
     _run(tmp_path, "part", "algo.updates=3", "algo.max_lag=2")
     part = tmp_path / "part"
     (part / "config.yaml").write_text((part / "config.yaml").read_text() if (part / "config.yaml").exists() else "")
     cfg = config.load(None, TINY + [f"run_dir={part}", "algo.updates=6", "algo.max_lag=2"])
     Trainer(cfg, part, resume=part, log=lambda *_: None).run()
-    full_w = load_file(checkpoint.latest(tmp_path / "full" / "checkpoints") / "model.safetensors")
+    full_w = load_file(checkpoint.latest(full / "checkpoints") / "model.safetensors")
     part_w = load_file(checkpoint.latest(part / "checkpoints") / "model.safetensors")
     assert full_w.keys() == part_w.keys() and all(torch.equal(full_w[k], part_w[k]) for k in full_w)
     def strip(rows):
         return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
-    assert strip(_metrics(part)) == strip(_metrics(tmp_path / "full"))
+    assert strip(_metrics(part)) == strip(_metrics(full))
 
 
 def _tag_draws(trainer):
