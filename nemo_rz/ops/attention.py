@@ -142,13 +142,37 @@ def cpp_verified(head_dim: int, cache_dtype: torch.dtype) -> bool:
     """Does the C++ forward give the tiled path's bits here, for this head size and cache dtype? Probed once per
     process and build (False without the C++ kernels, NEMO_RZ_CPP=0 or NEMO_RZ_VERIFIED=0): decode, chunked and
     whole prefill, a window, sinks, contiguous and paged caches, on random values, against _attention_tiled."""
-    tag = cpu_kernels.build_tag()
-    if tag is None:
-        return False
-    return bool(verified("attention_cpp", (head_dim, str(cache_dtype), tag), lambda: _cpp_probe(head_dim, cache_dtype)))
+    ok = _CPP_VERIFIED.get((head_dim, cache_dtype))
+    if ok is None:
+        tag = cpu_kernels.build_tag()
+        if tag is None:
+            ok = False
+        else:
+            # The case's tiled plans are made here: their own probes (tile_rows) must not run inside this one.
+            case = _cpp_probe_case(head_dim, cache_dtype)
+            ok = bool(verified("attention_cpp", (head_dim, str(cache_dtype), tag), lambda: _cpp_agrees(*case)))
+        _CPP_VERIFIED[(head_dim, cache_dtype)] = ok
+    return ok
+
+
+_CPP_VERIFIED: dict = {}
 
 
 def _cpp_probe(head_dim: int, cache_dtype: torch.dtype) -> bool:
+    """The probe itself (uncached): does the C++ forward give the tiled path's bits on the probe's case?"""
+    return _cpp_agrees(*_cpp_probe_case(head_dim, cache_dtype))
+
+
+def _cpp_agrees(q, caches, calls) -> bool:
+    for window, sink, plan, tiled in calls:
+        for kc, vc, bt in caches:
+            want = _attention_tiled(q, kc, vc, 0.125, bt, tiled, sink)
+            if not torch.equal(_attention_cpp(q, kc, vc, 0.125, bt, plan.starts(window), sink), want):
+                return False
+    return True
+
+
+def _cpp_probe_case(head_dim: int, cache_dtype: torch.dtype):
     g = torch.Generator().manual_seed(head_dim)
     heads, kv_heads, slots, block = 6, 2, 96, KV_BLOCK * 2
     lens, new = (70, 33, 9), (1, 20, 9)  # decode, a chunk of prefill, a whole prompt
@@ -169,13 +193,9 @@ def _cpp_probe(head_dim: int, cache_dtype: torch.dtype) -> bool:
                     page[table[s, j], :, :n] = c[s, :, j * block : j * block + n]
     sinks = torch.randn(heads, generator=g)
     plan = AttentionPlan(seq_idx, positions, heads, kv_heads)
-    for window, sink in ((None, None), (24, None), (None, sinks)):
-        t = plan.tiled(head_dim, torch.float32, window)
-        for kc, vc, bt in ((k, v, None), (*pages, table)):
-            want = _attention_tiled(q, kc, vc, 0.125, bt, t, sink)
-            if not torch.equal(_attention_cpp(q, kc, vc, 0.125, bt, plan.starts(window), sink), want):
-                return False
-    return True
+    calls = [(window, sink, plan, plan.tiled(head_dim, torch.float32, window))
+             for window, sink in ((None, None), (24, None), (None, sinks))]
+    return q, ((k, v, None), (*pages, table)), calls
 
 
 def _key_blocks(cache: torch.Tensor, t: Tiled, block_table, paged) -> torch.Tensor:
