@@ -56,7 +56,7 @@ CHECK_MIN_ROWS = 8
 _ALIGN = 64  # bytes: the CPU allocator's alignment; a view off it is copied, so the library sees what the probe saw
 _ENABLED = os.environ.get("NEMO_RZ_VERIFIED", "1") != "0"
 _RESULTS: dict = {}
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: a probe may need another route's result (the C++ attention's, the bmm's)
 
 
 @dataclasses.dataclass(frozen=True)
