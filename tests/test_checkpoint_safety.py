@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from test_faults import TINY
 
@@ -424,3 +424,20 @@ def test_metrics_file_planted_in_a_run_is_refused(tmp_path, planted):
     log.write({"update": 1})
     log.keep_until(1)
     assert (run / "metrics.jsonl").read_text() == '{"update": 1}\n'
+
+
+def test_weight_versions_that_share_a_frozen_tensor_are_written_once_and_load_as_saved(tmp_path):
+    """LoRA versions share their frozen base: the history holds it once and names it again in its metadata;
+    versions that share nothing (full fine-tuning) write every tensor (the negative control of the count)."""
+    base = torch.randn(64, 32)
+    history = {v: {"base.weight": base, "lora_B.weight": torch.full((4, 32), float(v))} for v in (3, 4, 5)}
+    state = {"version": 5}
+    ckpt = checkpoint.save(tmp_path, {"base.weight": base}, history, {}, state, keep=2)
+    _, loaded, _, _ = checkpoint.load(ckpt)
+    assert sorted(loaded) == [3, 4, 5]
+    assert all(torch.equal(loaded[v][k], t) for v in history for k, t in history[v].items())
+    with safe_open(ckpt / "history.safetensors", "pt") as f:
+        assert len(list(f.keys())) == 1 + 3
+    unshared = {v: {k: t.clone() for k, t in sd.items()} for v, sd in history.items()}
+    with safe_open(checkpoint.save(tmp_path / "b", {}, unshared, {}, state, keep=2) / "history.safetensors", "pt") as f:
+        assert len(list(f.keys())) == 3 + 3

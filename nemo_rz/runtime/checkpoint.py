@@ -28,7 +28,7 @@ import stat
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from nemo_rz import atomic
@@ -41,12 +41,30 @@ _NAME = re.compile(r"step_[0-9]+")
 _known_good: dict[Path, tuple] = {}  # checkpoint -> its files' identities when this process last found it intact
 
 
-def _flatten_history(history: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {f"v{v}/{k}": t.contiguous() for v, sd in history.items() for k, t in sd.items()}
+def _flatten_history(history: dict[int, dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The weight versions as one safetensors table, and {key: earlier key} for a tensor that is an earlier
+    version's own (a frozen base, as LoRA versions share it): written once, named again in the metadata."""
+    flat: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[tuple, str] = {}
+    for v, sd in history.items():
+        for k, t in sd.items():
+            key = f"v{v}/{k}"
+            same = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if same in first and t.numel():
+                aliases[key] = first[same]
+            else:
+                first[same] = key
+                flat[key] = t.contiguous()
+    return flat, aliases
 
 
-def _unflatten_history(flat: dict[str, torch.Tensor], path: Path) -> dict[int, dict[str, torch.Tensor]]:
+def _unflatten_history(flat: dict[str, torch.Tensor], aliases: dict[str, str], path: Path) -> dict[int, dict[str, torch.Tensor]]:
     out: dict[int, dict[str, torch.Tensor]] = {}
+    for key, held in aliases.items():
+        if held not in flat:
+            raise CorruptCheckpoint(f"checkpoint {path}: history.safetensors names {key[:80]!r} as {held[:80]!r}, which it lacks")
+        flat[key] = flat[held]
     for key, t in flat.items():
         v, _, name = key.partition("/")
         if not (name and v[:1] == "v" and v[1:].isascii() and v[1:].isdigit()):
@@ -231,9 +249,9 @@ def _torch_save(obj, path: Path) -> None:
         os.close(fd)
 
 
-def _safetensors_save(tensors: dict, path: Path) -> None:
+def _safetensors_save(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
     try:
-        save_file(tensors, path)
+        save_file(tensors, path, metadata=metadata)
     except SafetensorError as e:  # "Error while serializing: I/O error: No space left on device (os error 28)"
         found = re.search(r"os error (\d+)", str(e))
         if found is None:
@@ -259,7 +277,9 @@ def save(ckpt_dir: Path, weights: dict, history: dict, optimizer: dict, state: d
     try:
         with atomic.new_dir(final) as tmp:
             _safetensors_save({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors")
-            _safetensors_save(_flatten_history(history) or {"empty": torch.zeros(0)}, tmp / "history.safetensors")
+            flat, aliases = _flatten_history(history)
+            _safetensors_save(flat or {"empty": torch.zeros(0)}, tmp / "history.safetensors",
+                              {f"alias:{k}": held for k, held in aliases.items()} or None)
             _torch_save(optimizer, tmp / "optimizer.pt")
             _torch_save(state, tmp / "state.pt")
             manifest = {"version": state["version"], "sha256": {name: _sha256(tmp / name, final) for name in FILES},
@@ -301,6 +321,8 @@ def load(path: Path) -> tuple[dict, dict, dict, dict]:
     try:
         weights = load_file(path / "model.safetensors")
         flat = load_file(path / "history.safetensors")
+        with safe_open(path / "history.safetensors", "pt") as f:
+            aliases = {k.removeprefix("alias:"): held for k, held in (f.metadata() or {}).items() if k.startswith("alias:")}
         optimizer = torch.load(path / "optimizer.pt", weights_only=True)
         state = torch.load(path / "state.pt", weights_only=True)
     except OSError as e:
@@ -313,7 +335,7 @@ def load(path: Path) -> tuple[dict, dict, dict, dict]:
             raise CorruptCheckpoint(f"checkpoint {path}: {name} holds {type(value).__name__}, not a table")
     flat.pop("empty", None)
     _known_good[path] = _identity(path)
-    return weights, _unflatten_history(flat, path), optimizer, state
+    return weights, _unflatten_history(flat, aliases, path), optimizer, state
 
 
 def _clean_leftovers(ckpt_dir: Path, warn) -> None:
