@@ -23,6 +23,8 @@ Run with the glibc malloc settings from the README (set for the children here if
         python benchmarks/async_vs_sync.py                 # default balanced workload, 3 repetitions
     python benchmarks/async_vs_sync.py --quick             # smoke run (< 1 minute)
     python benchmarks/async_vs_sync.py -- algo.prompts_per_update=32   # extra overrides after --
+    python benchmarks/async_vs_sync.py --config smollm2_arith --updates 10 --skip 2 --lags 0,1
+        # a preset's own workload (SmolLM2-135M; only the one-thread split and TIMING are added)
 """
 from __future__ import annotations
 
@@ -49,13 +51,11 @@ TIMING = [
 # The balanced workload (see RESULTS.md for how it was chosen): one rollout worker with one thread and a
 # learner with one thread (the natural split of 2 cores); the batch is small enough that the per-token decode
 # steps of the rollout cost about as much as the learner's forward + backward over the whole batch.
-WORKLOAD = [
-    "runtime.rollout_workers=1", "runtime.worker_threads=1", "runtime.learner_threads=1",
-    "algo.prompts_per_update=8", "algo.group_size=8", "algo.max_new_tokens=6", "warmup.steps=100",
-]
+SPLIT = ["runtime.rollout_workers=1", "runtime.worker_threads=1", "runtime.learner_threads=1"]
+WORKLOAD = [*SPLIT, "algo.prompts_per_update=8", "algo.group_size=8", "algo.max_new_tokens=6", "warmup.steps=100"]
 
 
-def child(run_dir: str, overrides: list[str]) -> None:
+def child(run_dir: str, overrides: list[str], preset: str | None = None) -> None:
     from nemo_rz import config
     from nemo_rz.runtime.trainer import Trainer
 
@@ -66,7 +66,7 @@ def child(run_dir: str, overrides: list[str]) -> None:
             record["bench_rollout_s"] = res.seconds
             return record
 
-    cfg = config.load(None, overrides)
+    cfg = config.load(preset, overrides)
     cfg.run_dir = run_dir
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     summary = TimedTrainer(cfg, Path(run_dir), log=lambda *a: None).run()
@@ -100,7 +100,8 @@ def wait_idle(max_wait: float, busy_below: float = 0.15, probe: float = 3.0) -> 
 
 def run_one(lag: int, args, extra: list[str], base: Path, tag: str) -> dict:
     run_dir = base / tag
-    overrides = [*WORKLOAD, *TIMING, f"algo.updates={args.updates}", f"algo.max_lag={lag}", f"seed={args.seed}", *extra]
+    overrides = [*(SPLIT if args.config else WORKLOAD), *TIMING, f"algo.updates={args.updates}", f"algo.max_lag={lag}",
+                 f"seed={args.seed}", *extra]
     env = {**os.environ}
     for k, v in MALLOC.items():
         env.setdefault(k, v)
@@ -111,7 +112,7 @@ def run_one(lag: int, args, extra: list[str], base: Path, tag: str) -> dict:
         busy0, own0 = cpu_times()[0], own_cpu()
         start = time.time()
         attempt_dir = run_dir.with_name(f"{run_dir.name}-a{attempt}")
-        proc = subprocess.run([sys.executable, __file__, "--child", str(attempt_dir), *overrides], env=env,
+        proc = subprocess.run([sys.executable, __file__, "--child", str(attempt_dir), args.config or "", *overrides], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         wall = time.time() - start
         own = own_cpu() - own0
@@ -144,7 +145,7 @@ def run_one(lag: int, args, extra: list[str], base: Path, tag: str) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
-        child(argv[1], argv[2:])
+        child(argv[1], argv[3:], argv[2] or None)
         return 0
     extra = []
     if "--" in argv:
@@ -156,6 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lags", default="0,2", help="comma list of algo.max_lag values; 0 is the sync reference")
     ap.add_argument("--reps", type=int, default=3, help="repetitions; variants interleaved, order rotated")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", help="a preset or YAML (e.g. smollm2_arith): its workload instead of the balanced one")
     ap.add_argument("--quick", action="store_true", help="smoke run: 60 updates, 1 repetition")
     ap.add_argument("--wait-idle", type=float, default=0.0,
                     help="before each run wait up to this many seconds for the machine to be idle (other tenants)")

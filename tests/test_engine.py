@@ -75,3 +75,24 @@ def test_bad_requests_get_clear_errors(prompts, params, message):
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("variant", [{}, dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"])])
+def test_a_group_sharing_a_prompt_computes_it_once_with_the_same_bits(variant, monkeypatch):
+    """8 samples of each of 3 prompts admitted together: each prompt's tokens run once (the twins start from a copy
+    of its keys/values and compute only its last token), and every logprob is what each request computes alone."""
+    model = tiny_model(seed=2, **variant)
+    prompts = [p for p in ([3, 4, 5, 6, 7, 8, 9, 10, 11], [7] * 20, [1, 2]) for _ in range(8)]
+    params = [SamplingParams(6, temperature=0.9, seed=i) for i in range(len(prompts))]
+    engine = RolloutEngine(model, max_batch_size=32, prefill_chunk=8)
+    outs = engine.generate(prompts, params)
+    assert engine.stats["prefill_tokens"] == (9 + 20 + 2) + 7 * 3  # each prompt once, then one token per twin
+    alone = [RolloutEngine(model, prefix_cache_blocks=0).generate([p], [q])[0] for p, q in zip(prompts, params)]
+    assert [c.token_ids for c in outs] == [c.token_ids for c in alone]
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(outs, alone))
+    assert count_diff(model, outs, 0.9) == (0, sum(len(c.token_ids) for c in outs))
+    # negative control: twins started from another prompt's keys/values
+    copy = RolloutEngine._copy_slot
+    monkeypatch.setattr(RolloutEngine, "_copy_slot", lambda self, src, dst: copy(self, (src + 1) % 32, dst))
+    wrong = RolloutEngine(model, max_batch_size=32, prefill_chunk=8).generate(prompts, params)
+    assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(wrong, alone))

@@ -11,6 +11,11 @@ feeds its last token and samples one token from that row; a speculative policy
 target's rows accept. Either way every scored row is a target row like any other, computed in the same batched
 forward, and the loop around them is this one.
 
+Requests with the same prompt admitted together (a GRPO group) compute it once: the others wait one step in
+their slots, then start from a copy of its keys/values (all but the last prompt token's, which each computes to
+score its own first token), as from a prefix-cache hit of every token; their bits are what computing the prompt
+themselves would give.
+
 Sampling is inverse-CDF over the full distribution, all rows at once, with one uniform per token drawn from
 the request's own seeded generator when the request is admitted: a request's tokens depend on its seed, not
 on the batch it runs in.
@@ -197,19 +202,25 @@ class RolloutEngine:
         free = list(range(self.max_batch_size - 1, -1, -1))
         running: list[Request] = []
         done: dict[int, Completion] = {}
+        prefilling: dict[tuple[int, ...], Request] = {}  # a prompt -> the request computing it this wave
+        forks: dict[int, list[Request]] = collections.defaultdict(list)  # id(that request) -> same-prompt requests
         while waiting or running:
             while waiting and free:
                 req = waiting.popleft()
                 req.slot = free.pop()
-                if req.params.temperature != 0:
-                    req.uniforms = torch.rand(req.params.max_new_tokens, generator=req.generator, dtype=torch.float64).tolist()
-                cached = 0
-                if self.prefix_cache is not None:
-                    cached = self.prefix_cache.load(req.prompt, len(req.prompt) - 1, self._cache, req.slot)
-                req.computed = policy.admit(req, cached)
-                self.stats["prefix_hit_tokens"] += req.computed
-                running.append(req)
-            for req in self._step(running):
+                first = prefilling.get(tuple(req.prompt))
+                if first is not None and first.computed < len(first.prompt):  # its twin is computing this prompt
+                    forks[id(first)].append(req)
+                    continue
+                self._admit(req, self._prefix_hit(req), running)
+                prefilling[tuple(req.prompt)] = req
+            finished = self._step(running)
+            for req in list(running):
+                if forks and req.computed >= len(req.prompt) and id(req) in forks:
+                    for twin in forks.pop(id(req)):  # its prompt's keys/values, minus the last (each row samples)
+                        self._copy_slot(req.slot, twin.slot)
+                        self._admit(twin, len(twin.prompt) - 1, running)
+            for req in finished:
                 running.remove(req)
                 free.append(req.slot)
                 finite = all(math.isfinite(x) for x in req.logprobs)
@@ -224,6 +235,29 @@ class RolloutEngine:
                 if progress is not None:
                     progress(1)
         return [done[i] for i in range(len(done))]
+
+    def _prefix_hit(self, req: Request) -> int:
+        """Prompt tokens of `req` the prefix cache copies into its slot (whole blocks of an earlier request's)."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.load(req.prompt, len(req.prompt) - 1, self._cache, req.slot)
+
+    def _admit(self, req: Request, cached: int, running: list[Request]) -> None:
+        """Start `req` in its slot with its first `cached` prompt tokens' keys/values already there (the policy
+        keeps what it can use of them)."""
+        if req.params.temperature != 0:
+            req.uniforms = torch.rand(req.params.max_new_tokens, generator=req.generator, dtype=torch.float64).tolist()
+        req.computed = self.policy.admit(req, cached)
+        self.stats["prefix_hit_tokens"] += req.computed
+        running.append(req)
+
+    def _copy_slot(self, src: int, dst: int) -> None:
+        """Slot `dst` gets every layer's keys/values of slot `src`: a request whose twin (the same prompt, admitted
+        with it) has just computed the prompt starts from its bits, as from a prefix-cache hit of every token."""
+        for k, v in zip(self._cache.k, self._cache.v):
+            k[dst].copy_(k[src])
+            if v is not k:
+                v[dst].copy_(v[src])
 
     def _step_tokens(self) -> int | None:
         """The most tokens one step computes for a request (None: a whole prompt), which sizes sliding-window

@@ -57,7 +57,8 @@ class PrefixCache:
                 if k is not None:
                     span = self._span(cache, layer, b)
                     cache.k[layer][slot, :, span] = k
-                    cache.v[layer][slot, :, span] = v
+                    if v is not None:  # (None: the layer's values are its keys, a latent cache's one row)
+                        cache.v[layer][slot, :, span] = v
         return hit * self.block_tokens
 
     def _usable(self, entries: list, hit: int, cache: KVCache) -> bool:
@@ -85,7 +86,7 @@ class PrefixCache:
                 held = b * bt >= len(tokens) - k.shape[2]
                 span = self._span(cache, layer, b)
                 ks.append(k[slot, :, span].clone() if held else None)
-                vs.append(v[slot, :, span].clone() if held else None)
+                vs.append(v[slot, :, span].clone() if held and v is not k else None)  # a latent row: held once
             self._blocks[key] = (ks, vs)
             while len(self._blocks) > self.max_blocks:
                 self._blocks.popitem(last=False)
