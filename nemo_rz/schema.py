@@ -203,13 +203,13 @@ SCHEMA: dict[str, Key] = {
                                "batches would make a token's bits depend on them"),
     "precision.modules": Choice(("all", "attention", "mlp", "experts")),
     "precision.activation_scaling": Choice(("row", "tensor"), why="tensor = TE's per-tensor amax, which breaks batch invariance"),
-    "eval.every": Int(0, why="0 = only at the end"),
     "lora.rank": Int(0, fixed=True, why="0 = no adapters"),
     "lora.alpha": Positive(fixed=True),
     "lora.rslora": Bool(fixed=True),
     "lora.modules": Str(fixed=True, why="all, attention, mlp, or comma-separated q_proj,k_proj,v_proj,o_proj,gate_proj,"
                         "up_proj,down_proj (nemo_rz.models.lora)"),
     "lora.init_from": Str(optional=True, null_means="for a fresh adapter (B = 0)", fixed=True),
+    "eval.every": Int(0, why="0 = only at the end"),
     "eval.n": Int(1),
     "draft.mode": Choice(("off", "cotrain", "frozen", False), fixed=True,  # nemo_rz.algorithms.draft.MODES
                          why="YAML reads a bare off as false, which means off too"),
