@@ -42,6 +42,21 @@ def count_diff(model, completions, temperature: float = 1.0) -> tuple[int, int]:
     return int((lp[valid] != batch.rollout_logprobs[valid]).sum()), int(valid.sum())
 
 
+def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' own float32 logits of a checkpoint directory (eager attention): the parity reference."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def logit_diff(model: Decoder, ids: torch.Tensor, expected: torch.Tensor, mode: str = "consistent") -> float:
+    """The largest |logit - expected| of nemo-rz's model on ids, in kernel mode `mode`."""
+    with ops.use_kernels(mode), torch.no_grad():
+        return (model(ids) - expected).abs().max().item()
+
+
 @pytest.fixture(autouse=True)
 def _consistent_mode():
     with ops.use_kernels("consistent"):

@@ -18,7 +18,7 @@ import json
 
 import pytest
 import torch
-from conftest import count_diff
+from conftest import count_diff, hf_logits, logit_diff
 from safetensors import safe_open
 
 from nemo_rz import ops
@@ -72,36 +72,25 @@ def _ids(batch: int = 3, length: int = 29) -> torch.Tensor:
     return torch.randint(0, BASE["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(1))
 
 
-def _reference(path, ids) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
-def _diff(model: Decoder, ids, expected, mode: str = "consistent") -> float:
-    with ops.use_kernels(mode), torch.no_grad():
-        return (model(ids) - expected).abs().max().item()
-
-
 # -- parity with transformers ------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_matches_transformers_and_round_trips(variant, hf_root, tmp_path):
     path = _hf_dir(variant, hf_root)
     ids = _ids()
-    expected = _reference(path, ids)
+    expected = hf_logits(path, ids)
     model = load_hf(path)
     cfg = model.config
     assert cfg.attention_kind == "mla" and cfg.moe_kind == "deepseek" and cfg.num_kv_heads == 1
     assert cfg.moe_layers == list(range(VARIANTS[variant].get("first_k_dense_replace", 1), 3))
-    assert _diff(model, ids, expected) < TOL
-    assert _diff(model, ids, expected, "fast") < TOL
+    assert logit_diff(model, ids, expected) < TOL
+    assert logit_diff(model, ids, expected, "fast") < TOL
     save_hf(model, tmp_path / "saved")
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert saved["architectures"] == ["DeepseekV3ForCausalLM"]
     with safe_open(tmp_path / "saved" / "model.safetensors", "pt") as f:  # per-expert tensors, as on the hub
         names = set(f.keys())
     assert "model.layers.2.mlp.experts.7.down_proj.weight" in names and "model.layers.2.mlp.gate.e_score_correction_bias" in names
-    assert (_reference(tmp_path / "saved", ids) - expected).abs().max().item() < TOL
+    assert (hf_logits(tmp_path / "saved", ids) - expected).abs().max().item() < TOL
     again = load_hf(tmp_path / "saved")
     assert again.config == model.config
     mine, theirs = model.state_dict(), again.state_dict()
@@ -123,7 +112,7 @@ def test_kimi_k2_configs_and_mtp_layers_load(hf_root, tmp_path):
     tensors.update(mtp)
     save_file(tensors, tmp_path / "model.safetensors")
     ids = _ids()
-    assert _diff(load_hf(tmp_path), ids, _reference(src, ids)) < TOL
+    assert logit_diff(load_hf(tmp_path), ids, hf_logits(src, ids)) < TOL
 
 
 def test_fp8_block_scaled_checkpoints_decode_exactly(hf_root, tmp_path):
@@ -158,7 +147,7 @@ def test_fp8_block_scaled_checkpoints_decode_exactly(hf_root, tmp_path):
 def test_negative_controls_the_parity_bound_can_fail(breakage, hf_root, monkeypatch):
     path = _hf_dir("q-lora-yarn", hf_root)
     ids = _ids()
-    expected = _reference(path, ids)
+    expected = hf_logits(path, ids)
     model = load_hf(path)
     if breakage == "rope_interleave":
         model.config.rope_interleave = False
@@ -168,7 +157,7 @@ def test_negative_controls_the_parity_bound_can_fail(breakage, hf_root, monkeypa
         with torch.no_grad():
             for layer in model.model.layers[1:]:
                 layer.mlp.gate.e_score_correction_bias.zero_()
-    assert _diff(model, ids, expected) > 10 * TOL
+    assert logit_diff(model, ids, expected) > 10 * TOL
 
 
 # -- routing ------------------------------------------------------------------------------------------------
@@ -275,7 +264,7 @@ def test_fast_mode_differs():
         assert count_diff(model, _generate(model, _prompts(5, 16, 24, 8), 12, 7))[0] > 0
 
 
-def _routing_diff(mode: str) -> int:
+def _routinglogit_diff(mode: str) -> int:
     """Tokens of any MoE layer whose experts differ between the learner's batch and the rollout's steps (mixed
     prefill chunks and single tokens against the latent cache), with near-tied routers."""
     model = _engine_model()
@@ -310,8 +299,8 @@ def _routing_diff(mode: str) -> int:
 
 
 def test_routing_is_recomputed_identically_and_differs_with_fast_kernels():
-    assert _routing_diff("consistent") == 0
-    assert _routing_diff("fast") > 0
+    assert _routinglogit_diff("consistent") == 0
+    assert _routinglogit_diff("fast") > 0
 
 
 # -- training -----------------------------------------------------------------------------------------------

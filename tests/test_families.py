@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from conftest import count_diff
+from conftest import count_diff, hf_logits, logit_diff
 from safetensors.torch import save_file
 
 from nemo_rz import ops
@@ -96,30 +96,19 @@ def _ids(length: int = 3 * WINDOW + 5, batch: int = 3, seed: int = 1) -> torch.T
     return torch.randint(0, SMALL["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _reference(path, ids) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
-def _diff(model: Decoder, ids, expected, mode: str = "consistent") -> float:
-    with ops.use_kernels(mode), torch.no_grad():
-        return (model(ids) - expected).abs().max().item()
-
-
 # -- parity with transformers ------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_transformers_and_round_trips(family, hf_root, tmp_path):
     path = _hf_dir(family, hf_root)
     ids = _ids()
-    expected = _reference(path, ids)
+    expected = hf_logits(path, ids)
     model = load_hf(path)
-    assert _diff(model, ids, expected) < TOL
-    assert _diff(model, ids, expected, "fast") < TOL
+    assert logit_diff(model, ids, expected) < TOL
+    assert logit_diff(model, ids, expected, "fast") < TOL
     save_hf(model, tmp_path / "saved")
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert saved["architectures"] == json.loads(open(f"{path}/config.json").read())["architectures"]
-    assert (_reference(tmp_path / "saved", ids) - expected).abs().max().item() < TOL
+    assert (hf_logits(tmp_path / "saved", ids) - expected).abs().max().item() < TOL
     again = load_hf(tmp_path / "saved")
     assert again.config == model.config
     mine, theirs = model.state_dict(), again.state_dict()
@@ -150,7 +139,7 @@ def test_negative_controls_the_parity_bound_can_fail(family, breakage, hf_root):
     ids = _ids()
     model = load_hf(path)
     breakage(model)
-    assert _diff(model, ids, _reference(path, ids)) > 100 * TOL
+    assert logit_diff(model, ids, hf_logits(path, ids)) > 100 * TOL
 
 
 def _f64_table(head_dim, theta, scaling, length, device):
@@ -368,7 +357,7 @@ def _tie_prone(model: Decoder) -> Decoder:
     return model
 
 
-def _routing_diff(kind: str, mode: str) -> int:
+def _routinglogit_diff(kind: str, mode: str) -> int:
     """Tokens of any MoE layer whose experts differ between the learner's batch and the rollout's steps."""
     model = _tie_prone(_engine_model(kind))
     ids = torch.randint(0, 48, (6, 3 * WINDOW), generator=torch.Generator().manual_seed(8))
@@ -383,12 +372,12 @@ def _routing_diff(kind: str, mode: str) -> int:
 def test_routing_is_recomputed_identically(kind):
     """Every token's experts in the learner's batch equal those of the rollout's steps (mixed prefill chunks and
     single tokens against a KV cache), with near-tied routers and no routing replay."""
-    assert _routing_diff(kind, "consistent") == 0
+    assert _routinglogit_diff(kind, "consistent") == 0
 
 
 def test_routing_differs_with_fast_kernels():
     """Negative control: with library kernels the same near-tied routers choose differently for some tokens."""
-    assert _routing_diff("qwen3-moe-like", "fast") > 0
+    assert _routinglogit_diff("qwen3-moe-like", "fast") > 0
 
 
 # -- training ----------------------------------------------------------------------------------------------
