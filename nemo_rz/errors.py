@@ -63,6 +63,10 @@ class NonFiniteRatioError(DivergenceError, ValueError):
     it always was, for library callers (NeMo RL's loop) that catch it as one."""
 
 
+class NeMoRLVersionError(RuntimeError):
+    """A NeMo RL whose Megatron setup nemo-rz cannot hook (runtime/megatron/nemo_rl_policy.py); one line."""
+
+
 class WorkerFailed(RuntimeError):
     """Rollout workers keep failing (exit 4); the message holds the worker's last error."""
 

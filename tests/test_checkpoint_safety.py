@@ -275,10 +275,10 @@ def _inject_safetensors(monkeypatch, file_name: str) -> None:
     """safetensors' own error for a full disk (as a real one reads), on the second checkpoint's `file_name`."""
     real = checkpoint.save_file
 
-    def save_file(tensors, path):
+    def save_file(tensors, path, metadata=None):
         if ".step_000002.tmp-" in str(path) and str(path).endswith(file_name):
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-        return real(tensors, path)
+        return real(tensors, path, metadata=metadata)
 
     monkeypatch.setattr(checkpoint, "save_file", save_file)
 

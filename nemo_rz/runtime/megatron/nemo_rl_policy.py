@@ -32,6 +32,7 @@ import sys
 import torch
 
 from nemo_rz import ops
+from nemo_rz.errors import NeMoRLVersionError
 from nemo_rz.parallel.tensor import gather_last
 
 SETUP_MODULE = "nemo_rl.models.megatron.setup"
@@ -85,10 +86,6 @@ class VocabParallelLogprobs:
         with ops.use_kernels("consistent"):
             lp = ops.token_logprobs(rows, input_ids[:, 1:].reshape(-1), 1.0)
         return lp.view(b, s - 1)
-
-
-class NeMoRLVersionError(RuntimeError):
-    """A NeMo RL whose Megatron setup this module cannot hook; the message is one line."""
 
 
 def _check_signature(fn) -> None:
