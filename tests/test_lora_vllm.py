@@ -22,7 +22,9 @@ def _prompts(seed: int, n: int) -> list[list[int]]:
     return [torch.randint(0, 256, (int(k),), generator=g).tolist() for k in torch.randint(1, 17, (n,), generator=g)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# bfloat16 only here (each vLLM engine start costs about a minute of the suite): float32 and bfloat16 adapters on
+# the same schedule are both checked on the built-in engine (test_lora.py), and the vLLM model runs that schedule.
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_vllm_swaps_adapters_in_place_with_zero_mismatch(dtype):
     from nemo_rz.generation.vllm import VLLMRolloutEngine
 
