@@ -135,7 +135,8 @@ class BatchKV:
         return out.view(self.num_seqs, self.length, *x.shape[1:]).transpose(1, 2)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, t: "Tokens") -> None:
-        self.k[layer], self.v[layer] = self._placed(k, t), self._placed(v, t)
+        self.k[layer] = self._placed(k, t)
+        self.v[layer] = self.k[layer] if v is k else self._placed(v, t)  # (a latent layer: one tensor for both)
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, None]:
         return self.k[layer], self.v[layer], None
