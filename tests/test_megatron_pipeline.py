@@ -31,7 +31,7 @@ from megatron_ranks import rl_batch  # noqa: E402
 from megatron_world import launched, world_of_one  # noqa: E402
 
 from nemo_rz import ops  # noqa: E402
-from nemo_rz.models.decoder import unpacked  # noqa: E402
+from nemo_rz.models.decoder import Packing  # noqa: E402
 from nemo_rz.models.moe import recorded_routing  # noqa: E402
 from nemo_rz.parallel.pipeline import TapChannel  # noqa: E402
 from nemo_rz.runtime.learner import Learner  # noqa: E402
@@ -90,9 +90,10 @@ def test_a_mixture_of_experts_over_stages_equals_the_decoder_bit_for_bit(ranks):
     with torch.no_grad(), recorded_routing(m) as routing:
         want = m.token_logprobs(b.input_ids, b.lengths)
     length = b.input_ids.shape[1]
-    # the Decoder's record (packed tokens) in the padded [B * T] rows, every layer's k experts side by side
-    experts = torch.cat([unpacked(log[0], b.lengths, length, -1) for log in routing.values()], -1)
-    real = unpacked(torch.ones(int(b.lengths.sum()), 1), b.lengths, length, 0).squeeze(1) != 0
+    # the Decoder's record (the rows of its Packing) in the padded [B * T] rows, every layer's k experts side by side
+    packing = Packing.of(b.input_ids, b.lengths)
+    experts = torch.cat([packing.unpack(log[0], -1) for log in routing.values()], -1)
+    real = (torch.arange(length)[None, :] < b.lengths[:, None]).reshape(-1)
     assert torch.equal(ranks["pp2_moe_consistent"], want)
     assert _same(ranks["pp2_moe_consistent_weights"], m.state_dict())  # the experts of both stages, in HF names
     got = torch.cat([log[0] for log in ranks["pp2_moe_consistent_routing"].values()], -1)[: len(real)]
