@@ -13,6 +13,7 @@ import torch
 from nemo_rz import ops
 from nemo_rz.generation.packing import pack
 from nemo_rz.models import Decoder, DecoderConfig
+from nemo_rz.models.moe import recorded_routing
 
 # Probe results (ops/probe_cache.py) of this session only, never the user's cache (child processes inherit it).
 os.environ["NEMO_RZ_CACHE_DIR"] = tempfile.mkdtemp(prefix="nemo-rz-test-probes-")
@@ -55,6 +56,35 @@ def logit_diff(model: Decoder, ids: torch.Tensor, expected: torch.Tensor, mode: 
     """The largest |logit - expected| of nemo-rz's model on ids, in kernel mode `mode`."""
     with ops.use_kernels(mode), torch.no_grad():
         return (model(ids) - expected).abs().max().item()
+
+
+def learner_routing(model, ids) -> dict:
+    """{(MoE layer, sequence, position): experts} of the learner's forward over the batch ids [B, T]."""
+    b, t = ids.shape
+    with recorded_routing(model) as logs, torch.no_grad():
+        model.token_logprobs(ids)
+    return {(name, s, p): e for name, (experts,) in logs.items()
+            for (s, p), e in zip(((s, p) for s in range(b) for p in range(t)), experts.tolist())}
+
+
+def rollout_routing(model, ids, chunks) -> dict:
+    """The same for the engine's forwards: every sequence advances by chunks[(sequence + step) % len] tokens per
+    step, so steps mix prefill chunks and single tokens of different sequences, against a KV cache."""
+    b, t = ids.shape
+    cache, done, out, step = model.new_cache(b, t), [0] * b, {}, 0
+    with recorded_routing(model) as logs, torch.no_grad():
+        while min(done) < t:
+            rows = []
+            for s in range(b):
+                end = min(t, done[s] + chunks[(s + step) % len(chunks)])
+                rows += [(s, p) for p in range(done[s], end)]
+                done[s] = end
+            seq, pos = torch.tensor(rows).T
+            model.step(ids[seq, pos], pos, seq, cache)
+            for name, log in logs.items():
+                out.update({(name, s, p): e for (s, p), e in zip(rows, log[-1].tolist())})
+            step += 1
+    return out
 
 
 @pytest.fixture(autouse=True)

@@ -18,14 +18,13 @@ import json
 
 import pytest
 import torch
-from conftest import count_diff, hf_logits, logit_diff
+from conftest import count_diff, hf_logits, learner_routing, logit_diff, rollout_routing
 from safetensors import safe_open
 
 from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.models import Decoder, DecoderConfig, load_hf, save_hf
 from nemo_rz.models.mla import cache_elements_per_token
-from nemo_rz.models.moe import recorded_routing
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
@@ -264,7 +263,7 @@ def test_fast_mode_differs():
         assert count_diff(model, _generate(model, _prompts(5, 16, 24, 8), 12, 7))[0] > 0
 
 
-def _routinglogit_diff(mode: str) -> int:
+def _routing_diff(mode: str) -> int:
     """Tokens of any MoE layer whose experts differ between the learner's batch and the rollout's steps (mixed
     prefill chunks and single tokens against the latent cache), with near-tied routers."""
     model = _engine_model()
@@ -275,32 +274,15 @@ def _routinglogit_diff(mode: str) -> int:
             w.copy_(w[0] * (1 + 1e-6 * torch.randn(w.shape, generator=g)))
             layer.mlp.gate.e_score_correction_bias.zero_()
     ids = torch.randint(0, 48, (6, 24), generator=torch.Generator().manual_seed(8))
-    b, t = ids.shape
-    with ops.use_kernels(mode), torch.no_grad():
-        with recorded_routing(model) as logs:
-            model.token_logprobs(ids)
-        learner = {(name, s, p): e for name, (experts,) in logs.items()
-                   for (s, p), e in zip(((s, p) for s in range(b) for p in range(t)), experts.tolist())}
-        cache, done, rollout, step, chunks = model.new_cache(b, t), [0] * b, {}, 0, [1, 5, 2, 9]
-        with recorded_routing(model) as logs:
-            while min(done) < t:
-                rows = []
-                for s in range(b):
-                    end = min(t, done[s] + chunks[(s + step) % len(chunks)])
-                    rows += [(s, p) for p in range(done[s], end)]
-                    done[s] = end
-                seq, pos = torch.tensor(rows).T
-                model.step(ids[seq, pos], pos, seq, cache)
-                for name, log in logs.items():
-                    rollout.update({(name, s, p): e for (s, p), e in zip(rows, log[-1].tolist())})
-                step += 1
+    with ops.use_kernels(mode):
+        learner, rollout = learner_routing(model, ids), rollout_routing(model, ids, [1, 5, 2, 9])
     assert learner.keys() == rollout.keys()
     return sum(learner[key] != rollout[key] for key in learner)
 
 
 def test_routing_is_recomputed_identically_and_differs_with_fast_kernels():
-    assert _routinglogit_diff("consistent") == 0
-    assert _routinglogit_diff("fast") > 0
+    assert _routing_diff("consistent") == 0
+    assert _routing_diff("fast") > 0
 
 
 # -- training -----------------------------------------------------------------------------------------------

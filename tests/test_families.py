@@ -16,13 +16,12 @@ import json
 
 import pytest
 import torch
-from conftest import count_diff, hf_logits, logit_diff
+from conftest import count_diff, hf_logits, learner_routing, logit_diff, rollout_routing
 from safetensors.torch import save_file
 
 from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.models import Decoder, DecoderConfig, ModelFileError, config_from_hf, load_hf, save_hf
-from nemo_rz.models.moe import recorded_routing
 
 rope_ops = importlib.import_module("nemo_rz.ops.rope")  # the module (nemo_rz.ops.rope is also the function)
 transformers = pytest.importorskip("transformers")
@@ -317,35 +316,6 @@ def test_prefix_cache_hits_across_the_window(kind):
     assert count_diff(model, warm)[0] == 0
 
 
-def _learner_routing(model, ids) -> dict:
-    """{(MoE layer, sequence, position): experts} of the learner's forward over the batch ids [B, T]."""
-    b, t = ids.shape
-    with recorded_routing(model) as logs, torch.no_grad():
-        model.token_logprobs(ids)
-    return {(name, s, p): e for name, (experts,) in logs.items()
-            for (s, p), e in zip(((s, p) for s in range(b) for p in range(t)), experts.tolist())}
-
-
-def _rollout_routing(model, ids, chunks) -> dict:
-    """The same for the engine's forwards: every sequence advances by chunks[(sequence + step) % len] tokens per
-    step, so steps mix prefill chunks and single tokens of different sequences, against a KV cache."""
-    b, t = ids.shape
-    cache, done, out, step = model.new_cache(b, t), [0] * b, {}, 0
-    with recorded_routing(model) as logs, torch.no_grad():
-        while min(done) < t:
-            rows = []
-            for s in range(b):
-                end = min(t, done[s] + chunks[(s + step) % len(chunks)])
-                rows += [(s, p) for p in range(done[s], end)]
-                done[s] = end
-            seq, pos = torch.tensor(rows).T
-            model.step(ids[seq, pos], pos, seq, cache)
-            for name, log in logs.items():
-                out.update({(name, s, p): e for (s, p), e in zip(rows, log[-1].tolist())})
-            step += 1
-    return out
-
-
 def _tie_prone(model: Decoder) -> Decoder:
     """Every router row within a relative 1e-6 of the first: each token's choice hangs on the last bits."""
     g = torch.Generator().manual_seed(0)
@@ -357,13 +327,13 @@ def _tie_prone(model: Decoder) -> Decoder:
     return model
 
 
-def _routinglogit_diff(kind: str, mode: str) -> int:
+def _routing_diff(kind: str, mode: str) -> int:
     """Tokens of any MoE layer whose experts differ between the learner's batch and the rollout's steps."""
     model = _tie_prone(_engine_model(kind))
     ids = torch.randint(0, 48, (6, 3 * WINDOW), generator=torch.Generator().manual_seed(8))
     with ops.use_kernels(mode):
-        learner = _learner_routing(model, ids)
-        rollout = _rollout_routing(model, ids, [1, 5, 2, 9])
+        learner = learner_routing(model, ids)
+        rollout = rollout_routing(model, ids, [1, 5, 2, 9])
     assert learner.keys() == rollout.keys()
     return sum(learner[key] != rollout[key] for key in learner)
 
@@ -372,12 +342,12 @@ def _routinglogit_diff(kind: str, mode: str) -> int:
 def test_routing_is_recomputed_identically(kind):
     """Every token's experts in the learner's batch equal those of the rollout's steps (mixed prefill chunks and
     single tokens against a KV cache), with near-tied routers and no routing replay."""
-    assert _routinglogit_diff(kind, "consistent") == 0
+    assert _routing_diff(kind, "consistent") == 0
 
 
 def test_routing_differs_with_fast_kernels():
     """Negative control: with library kernels the same near-tied routers choose differently for some tokens."""
-    assert _routinglogit_diff("qwen3-moe-like", "fast") > 0
+    assert _routing_diff("qwen3-moe-like", "fast") > 0
 
 
 # -- training ----------------------------------------------------------------------------------------------
