@@ -87,6 +87,22 @@ def rollout_routing(model, ids, chunks) -> dict:
     return out
 
 
+def preset_run(preset: str, run: Path, *overrides: str) -> tuple[str, list[dict]]:
+    """A 3-update smoke run of `python -m nemo_rz.train --config preset` in `run` (10 warm-up steps, 4 x 4 samples,
+    the kernel/routing decomposition at every update): its saved config.yaml text and metrics rows."""
+    import json
+    import sys
+
+    cmd = [sys.executable, "-m", "nemo_rz.train", "--config", preset, f"run_dir={run}", "algo.updates=3",
+           "warmup.steps=10", "algo.prompts_per_update=4", "algo.group_size=4", "eval.n=8", "eval.every=3",
+           "progress=false", "metrics.tensorboard=false", "metrics.decomposition_every=1", "checkpoint.every=3",
+           *overrides]
+    proc = subprocess.run(cmd, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return (run / "config.yaml").read_text(), rows
+
+
 @pytest.fixture(autouse=True)
 def _consistent_mode():
     with ops.use_kernels("consistent"):

@@ -18,7 +18,7 @@ import json
 
 import pytest
 import torch
-from conftest import count_diff, hf_logits, learner_routing, logit_diff, rollout_routing
+from conftest import count_diff, hf_logits, learner_routing, logit_diff, preset_run, rollout_routing
 from safetensors import safe_open
 
 from nemo_rz import ops
@@ -291,21 +291,8 @@ def test_deepseek_tiny_preset_trains_with_zero_mismatch(tmp_path):
     in 2 groups, a shared expert) trains: every update's rollout logprobs and expert choices equal the
     learner's. (The negative control, fast kernels differing on this model, is test_fast_mode_differs: one
     more training run would cost ~15 s.)"""
-    rollout_kernels = "consistent"
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "nemo_rz.train", "--config", "deepseek_tiny", f"run_dir={run}", "algo.updates=3",
-           "warmup.steps=10", "algo.prompts_per_update=4", "algo.group_size=4", "eval.n=8", "eval.every=3",
-           "progress=false", "metrics.tensorboard=false", "metrics.decomposition_every=1", "checkpoint.every=3",
-           f"runtime.rollout_kernels={rollout_kernels}"]
-    proc = subprocess.run(cmd, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    saved = (run / "config.yaml").read_text()
+    saved, rows = preset_run("deepseek_tiny", tmp_path / "run", "runtime.rollout_kernels=consistent")
     assert "attention_kind: mla" in saved and "moe_kind: deepseek" in saved
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     assert all(r["kernel_diff_tokens"] == 0 and r["routing_diff_tokens"] == 0 and r["tokens"] > 0 for r in rows)
 

@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from conftest import count_diff, hf_logits, learner_routing, logit_diff, rollout_routing
+from conftest import count_diff, hf_logits, learner_routing, logit_diff, preset_run, rollout_routing
 from safetensors.torch import save_file
 
 from nemo_rz import ops
@@ -355,20 +355,8 @@ def test_routing_differs_with_fast_kernels():
 def test_moe_tiny_preset_trains_with_zero_mismatch(rollout_kernels, tmp_path):
     """`python -m nemo_rz.train --config moe_tiny` (MoE layers, a sliding-window layer, sinks) trains: every
     update's rollout logprobs and expert choices equal the learner's. Negative control: fast rollout kernels."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "nemo_rz.train", "--config", "moe_tiny", f"run_dir={run}", "algo.updates=3",
-           "warmup.steps=10", "algo.prompts_per_update=4", "algo.group_size=4", "eval.n=8", "eval.every=3",
-           "progress=false", "metrics.tensorboard=false", "metrics.decomposition_every=1", "checkpoint.every=3",
-           f"runtime.rollout_kernels={rollout_kernels}"]
-    proc = subprocess.run(cmd, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    saved = (run / "config.yaml").read_text()
+    saved, rows = preset_run("moe_tiny", tmp_path / "run", f"runtime.rollout_kernels={rollout_kernels}")
     assert "num_experts: 4" in saved and "sliding_window: 8" in saved
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     if rollout_kernels == "consistent":
         assert all(r["kernel_diff_tokens"] == 0 and r["routing_diff_tokens"] == 0 for r in rows)
