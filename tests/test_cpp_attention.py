@@ -16,7 +16,7 @@ import torch
 
 from nemo_rz import ops
 from nemo_rz.kernels import cpu as cpu_kernels
-from nemo_rz.ops import verified
+from nemo_rz.ops import probe_cache, verified
 from nemo_rz.ops.attention_plan import AttentionPlan
 
 A = importlib.import_module("nemo_rz.ops.attention")  # (nemo_rz.ops.attention is also the function's name)
@@ -152,6 +152,32 @@ def test_negative_controls(monkeypatch):
 
     monkeypatch.setattr(cpu_kernels, "attention_fwd", other_order)
     assert not A._cpp_probe(64, torch.float32)
+
+
+@needs_cpp
+@pytest.mark.skipif(not verified._ENABLED, reason="NEMO_RZ_VERIFIED=0")
+def test_the_probe_is_kept_on_disk_and_checked_on_load(tmp_path, monkeypatch):
+    """A new process reads the probe's result from disk; a stored True that fails its load check (the C++ forward
+    broken on purpose: the negative control) is probed again, here to False."""
+    monkeypatch.setenv("NEMO_RZ_CACHE_DIR", str(tmp_path))
+    key = ("attention_cpp", 64, str(torch.float32), cpu_kernels.build_tag())
+    machine = probe_cache.machine_key(verified.PROBE_VERSION, 1)
+
+    def fresh():
+        monkeypatch.setattr(A, "_CPP_VERIFIED", {})
+        monkeypatch.setattr(verified, "_RESULTS", {k: v for k, v in verified._RESULTS.items() if k != key})
+        return A.cpp_verified(64, torch.float32)
+
+    assert fresh() and probe_cache.lookup(key, machine) == (True, True)
+    probes = []
+    monkeypatch.setattr(A, "_cpp_agrees", lambda q, caches, calls: probes.append(len(calls)) or True)
+    assert fresh() and probes == [1]  # loaded: one call checked, not the probe's three
+
+    real = cpu_kernels.attention_fwd
+    monkeypatch.undo()
+    monkeypatch.setenv("NEMO_RZ_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "attention_fwd", lambda *a, **kw: real(*a, **kw) + 1e-7)
+    assert not fresh() and probe_cache.lookup(key, machine) == (True, False)
 
 
 @needs_cpp
