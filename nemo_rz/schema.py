@@ -213,6 +213,8 @@ SCHEMA: dict[str, Key] = {
     "eval.n": Int(1),
     "draft.mode": Choice(("off", "cotrain", "frozen", False), fixed=True,  # nemo_rz.algorithms.draft.MODES
                          why="YAML reads a bare off as false, which means off too"),
+    "draft.kind": Choice(("eagle", "mtp"), fixed=True, why="eagle = an EAGLE-3 head trained online; mtp = DeepSeek-V3's "
+                         "multi-token-prediction layers (the checkpoint's, or fresh ones)"),
     "draft.aux_layers": Key("ints", 0, optional=True, null_means="for EAGLE-3's low, middle and high layers", fixed=True),
     "draft.num_layers": Int(1, fixed=True),
     "draft.vocab_size": Int(1, optional=True, null_means="for the target's whole vocabulary", fixed=True),

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from nemo_rz.algorithms.aux_loss import padded
 from nemo_rz.errors import DivergenceError
 from nemo_rz.models.decoder import packed_rows
-from nemo_rz.models.draft import DraftHead, aux_features, expected_tokens_per_pass
+from nemo_rz.models.draft import DraftHead, expected_tokens_per_pass
 from nemo_rz.parallel.context import cp_draft_loss, reduce_gradients
 
 MODES = ("off", "cotrain", "frozen")
@@ -54,11 +54,11 @@ class DraftTrainer:
             raise ValueError(f"draft.steps = {steps}: must be >= 1")
         self.draft, self.mode, self.steps, self.k = draft, mode, steps, k
         self.lr, self.loss_weight, self.grad_clip = lr, loss_weight, grad_clip
-        self.opt = torch.optim.Adam(draft.parameters(), lr=lr) if mode == "cotrain" else None
+        self.opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr) if mode == "cotrain" else None
         self.vocab_pending = fresh and self.opt is not None and not draft.full_vocab  # chosen by the first step
 
     def tap(self, model):
-        return aux_features(model, self.draft.aux_layers, final=True)
+        return self.draft.tap(model, final=True)
 
     def learn(self, model, tapped: list, batch, temperature: float, what: str = "draft") -> dict[str, float]:
         """The auxiliary-loss step: `step` on the features of the learner's one forward of this batch; where the

@@ -35,7 +35,7 @@ import torch
 from nemo_rz import ops
 from nemo_rz.generation.prefix_cache import PrefixCache
 from nemo_rz.generation.sampling import sample
-from nemo_rz.models.draft import DraftHead, aux_features
+from nemo_rz.models.draft import DraftHead
 
 
 @dataclasses.dataclass
@@ -136,7 +136,7 @@ class SpeculativePolicy:
     @contextlib.contextmanager
     def observe(self, model):
         """Keep the target features of the forward: the draft's inputs at the positions it computes."""
-        with aux_features(model, self.draft.aux_layers) as found:
+        with self.draft.tap(model) as found:
             yield
         self._aux = found[0]
 

@@ -129,7 +129,14 @@ class DraftHead(nn.Module):
         size = cfg.vocab_size if vocab_size is None else min(vocab_size, cfg.vocab_size)
         self.register_buffer("vocab", torch.arange(size), persistent=True)
 
+    kind = "eagle"  # draft.kind
+
     # -- pieces shared by training and inference -----------------------------------------------------
+    def worker_spec(self) -> dict:
+        """What a rollout worker builds its copy of this draft from (`from_spec`); the weights come with each version."""
+        return dict(kind=self.kind, aux_layers=list(self.aux_layers), num_layers=len(self.layers),
+                    vocab_size=self.vocab.numel())
+
     def spec(self) -> dict:
         """What a saved draft must agree on with the target it serves."""
         c = self.config
@@ -163,7 +170,22 @@ class DraftHead(nn.Module):
                                  "use a draft made for this model (or draft.mode=cotrain for a fresh one)")
         check_aux_layers(self.aux_layers, t.num_layers)
 
-    def _input(self, target: Decoder, feature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    # -- the hooks another draft of this shape overrides (models/mtp.py: DeepSeek-V3's multi-token prediction) --
+    @property
+    def blocks(self) -> list:
+        """The decoder layers one draft step runs, in order."""
+        return list(self.layers)
+
+    def tap(self, model: Decoder, final: bool = False):
+        """The context in which `model`'s forwards record this draft's target features (`aux_features`)."""
+        return aux_features(model, self.aux_layers, final)
+
+    def _output(self, x: torch.Tensor) -> torch.Tensor:
+        """A step's hidden state from its last layer's output: what the next step reads and `logits` scores."""
+        return x
+
+    def _input(self, target: Decoder, feature: torch.Tensor, tokens: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
         emb = ops.embedding(tokens, target.model.embed_tokens.weight.detach())
         return self.combine(torch.cat([self.embed_norm(emb), self.feature_norm(feature)], dim=-1))
 
@@ -199,15 +221,15 @@ class DraftHead(nn.Module):
              seq_idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Draft hidden states [N, H] for N (feature, next token) rows at `positions`, through `cache`.
         feature: fused target features (`self.fc(aux)`) or the draft's own previous hidden state."""
-        x = self._input(target, feature, tokens)
+        x = self._input(target, feature, tokens, positions)
         c = self.config
         t = Tokens(tokens, positions, seq_idx, cache)
         t.plan = ops.AttentionPlan(seq_idx, positions, c.num_heads, c.num_kv_heads)
         t.ropes = {c.rope(0): ops.rope_cos_sin(positions, c.head_dim, *c.rope(0))}
         t.cache_rows = cache.rows(t)
-        for block in self.layers:
+        for block in self.blocks:
             x = block(x, t)
-        return x
+        return self._output(x)
 
     # -- training (all steps of every branch at once) ---------------------------------------------------
     def run_steps(self, target: Decoder, feature: torch.Tensor, reads: list, positions: torch.Tensor, attend):
@@ -221,16 +243,17 @@ class DraftHead(nn.Module):
         (`branches`) or over a shard of a packed row (cp_draft_loss)."""
         c = self.config
         rope = c.rope(0)  # the draft's layers are full-attention layers of one RoPE
-        keys = [[] for _ in self.layers]
-        values = [[] for _ in self.layers]
+        blocks = self.blocks
+        keys = [[] for _ in blocks]
+        values = [[] for _ in blocks]
         for s, tokens in enumerate(reads, 1):
-            x = self._input(target, feature, tokens)
             at = positions + (s - 1)
+            x = self._input(target, feature, tokens, at)
             ropes = {rope: ops.rope_cos_sin(at, c.head_dim, *rope)}
-            for block, k, v in zip(self.layers, keys, values):
+            for block, k, v in zip(blocks, keys, values):
                 step = functools.partial(_step_attention, attend, k, v)
                 x = block(x, Tokens(tokens, at, None, attend=step, ropes=ropes))  # seq_idx: unused with attend
-            feature = x  # the next step reads this step's hidden state
+            x = feature = self._output(x)  # the next step reads this step's hidden state
             yield s, x
 
     def branches(self, target: Decoder, aux: torch.Tensor, input_ids: torch.Tensor, steps: int):
@@ -323,6 +346,16 @@ def expected_tokens_per_pass(accept: list[float]) -> float:
         run *= a
         out += run
     return out
+
+
+def from_spec(target: DecoderConfig, spec: dict) -> DraftHead:
+    """A draft of the shape `worker_spec()` described, for a target of config `target` (its weights: random until
+    a weight version ships them)."""
+    if spec.get("kind", "eagle") == "mtp":
+        from nemo_rz.models.mtp import MTPHead  # builds on this module
+
+        return MTPHead(target, spec["num_layers"])
+    return DraftHead(target, spec["aux_layers"], spec["num_layers"], spec["vocab_size"])
 
 
 # -- weights ------------------------------------------------------------------------------------------

@@ -353,9 +353,11 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def save_hf(model: Decoder, path: str | os.PathLike, architecture: str | None = None) -> Path:
+def save_hf(model: Decoder, path: str | os.PathLike, architecture: str | None = None,
+            extra_tensors: dict[str, torch.Tensor] | None = None, extra_config: dict | None = None) -> Path:
     """Write `model` as a Hugging Face checkpoint directory (config.json + model.safetensors) at `path`, as
-    `architecture` (None: the model's natural one, hf_config.architecture_for).
+    `architecture` (None: the model's natural one, hf_config.architecture_for). `extra_tensors` / `extra_config`:
+    file tensors and config.json keys of parts outside the decoder (DeepSeek-V3's MTP layers: models/mtp.py).
 
     The checkpoint is written to a temporary directory beside `path` and renamed into place, so a failure at
     any point leaves an existing checkpoint at `path` untouched. Other files in an existing directory (tokenizer,
@@ -364,11 +366,15 @@ def save_hf(model: Decoder, path: str | os.PathLike, architecture: str | None = 
     target = Path(path)
     if target.is_symlink():  # replace the directory the link points to, not the link
         target = target.resolve()
-    config = hf_config(model.config, architecture)
+    config = {**hf_config(model.config, architecture), **(extra_config or {})}
     if target.exists() and not target.is_dir():
         raise ModelFileError(f"{target} exists and is a file; pass a directory path for the checkpoint")
     arch = config["architectures"][0]
     tensors = _unstack_experts({name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}, model.config, arch)
+    clash = sorted(set(tensors) & set(extra_tensors or {}))
+    if clash:
+        raise ValueError(f"save_hf: extra tensor {clash[0]} is also one of the model's; name it apart")
+    tensors.update(extra_tensors or {})
     with atomic.new_dir(target) as tmp:
         if target.is_dir():
             for entry in target.iterdir():

@@ -61,20 +61,33 @@ class LatentAttention(nn.Module):
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, bias, dt)
 
     # -- the absorbed per-head weights, [heads, in, out] for ops.expert_linear --------------------------------
-    def _split(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv_b(self) -> torch.Tensor:
+        """kv_b_proj's weight as the absorbed products use it: under a precision recipe (kv_b_proj a
+        quant.linear.QuantizedLinear) Q(W)'s dequantized float32 values, gradient straight through to the master
+        weight: dequantize, then absorb (the split is exact, so W_UK and W_UV are the quantized weight's own
+        values, and each is made once per weight version, as the quantized weight is); else the weight."""
+        values = getattr(self.kv_b_proj, "weight_values", None)
+        return self.kv_b_proj.weight if values is None else values()
+
+    def _split(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w = weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, qk_nope, kv_lora], W_UV^T [H, kv_lora, v_head_dim]), contiguous. Without autograd kept on
-        kv_b_proj's weight until it changes (ops.weight_cache)."""
+        """(W_UK [H, qk_nope, kv_lora], W_UV^T [H, kv_lora, v_head_dim]), contiguous: kv_b_proj's (`_kv_b`).
+        Without autograd kept on kv_b_proj's weight until it changes (ops.weight_cache). A quantized kv_b_proj's
+        are float32 (the dequantized values), and the per-head products then run in float32 on the model-dtype
+        queries and outputs cast up (their inputs are not quantized: in the absorbed form kv_b_proj's own input,
+        the latent, never meets it as a product operand)."""
         weight = self.kv_b_proj.weight
         if torch.is_grad_enabled() and weight.requires_grad:
-            uk, uv = self._split()
+            uk, uv = self._split(self._kv_b())
             return uk.contiguous(), uv.transpose(1, 2).contiguous()
-        return (derived(weight, "mla.uk", lambda: self._split()[0].detach().contiguous()),
-                derived(weight, "mla.uv", lambda: self._split()[1].detach().transpose(1, 2).contiguous()))
+        recipe = getattr(getattr(self.kv_b_proj, "precision", None), "recipe", None)
+        return (derived(weight, "mla.uk", lambda: self._split(self._kv_b())[0].detach().contiguous(), recipe),
+                derived(weight, "mla.uv", lambda: self._split(self._kv_b())[1].detach().transpose(1, 2).contiguous(),
+                        recipe))
 
     def _rope(self, x: torch.Tensor, t) -> torch.Tensor:
         if self.cfg.rope_interleave:
@@ -92,8 +105,8 @@ class LatentAttention(nn.Module):
         q_pe = self._rope(q[..., nope:], t)
         uk, uv = self.absorbed()
         heads = torch.arange(h, device=x.device).repeat(n)
-        q_lat = ops.expert_linear(q[..., :nope].reshape(n * h, nope), heads, uk).view(n, h, lora)
+        q_lat = ops.expert_linear(q[..., :nope].reshape(n * h, nope).to(uk.dtype), heads, uk).to(q.dtype).view(n, h, lora)
         latent = torch.cat([c_kv.unsqueeze(1), k_pe.to(c_kv.dtype)], dim=-1)  # [N, 1, kv_lora + head_dim]
         out = attend_rotated(cfg, self.layer, torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1), latent, latent, t)
-        o = ops.expert_linear(out[..., :lora].reshape(n * h, lora), heads, uv)
+        o = ops.expert_linear(out[..., :lora].reshape(n * h, lora).to(uv.dtype), heads, uv).to(out.dtype)
         return self.o_proj(o.reshape(n, h * cfg.v_head_dim))

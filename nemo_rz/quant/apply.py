@@ -2,9 +2,17 @@
 selected MoE experts module a QuantizedExperts, holding the same Parameters, so names, state dicts and optimizers
 see no change.
 
-Which linears `precision.modules` selects, by their place in the model: attention (self_attn's projections),
-mlp (a dense MLP's projections), experts (a mixture-of-experts layer's expert projections), all (all of those).
-The LM head, the embedding and MoE routers stay in the model's dtype, as the FP8 / MXFP4 releases keep them.
+Which linears `precision.modules` selects, by their place in the model: attention (self_attn's projections:
+q/k/v/o, and multi-head latent attention's q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj),
+mlp (a dense MLP's projections), experts (a mixture-of-experts layer's expert projections: the routed experts and
+DeepSeek's always-on `shared_experts`), all (all of those). The LM head, the embedding, MoE routers (DeepSeek's
+`gate` with its selection bias) and every norm (the latent q_a_layernorm / kv_a_layernorm included) stay in the
+model's dtype, as the FP8 / MXFP4 releases keep them (DeepSeek-V3's FP8 release: every projection of attention and
+of the routed and shared experts in FP8, the router and norms in high precision).
+
+Latent attention absorbs kv_b_proj into its per-head query and output products (models/mla.py): under a recipe the
+absorbed weights are split from Q(kv_b_proj)'s dequantized values (QuantizedLinear.weight_values), once per weight
+version; the products' inputs (absorbed queries, attention outputs) stay in high precision.
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ def _kind(name: str) -> str | None:
     parts = name.split(".")
     if parts[-1] in ROUTERS:
         return None
-    if "experts" in parts:
+    if "experts" in parts or "shared_experts" in parts:
         return "experts"
     if "self_attn" in parts:
         return "attention"

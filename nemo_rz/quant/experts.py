@@ -21,6 +21,7 @@ from nemo_rz.models.families import gpt_oss, qwen3_moe
 from nemo_rz.models.moe import GptOssExperts, Qwen3MoeExperts
 from nemo_rz.ops.weight_cache import derived, forget_weight_copies
 from nemo_rz.quant.linear import Precision, dequantized
+from nemo_rz.quant.linear import Substitute as _Substitute
 
 
 @dataclass(frozen=True)
@@ -33,18 +34,6 @@ class Family:
 FAMILIES = {Qwen3MoeExperts: Family(True, lambda m, gate_up: qwen3_moe.activation(gate_up)),
             GptOssExperts: Family(False, lambda m, gate_up: gpt_oss.activation(gate_up, m.limit))}
 WEIGHTS = ("gate_up_proj", "down_proj")
-
-
-class _Substitute(torch.autograd.Function):
-    """Forward: `value` (the quantized operand); backward: the gradient goes to `master` unchanged."""
-
-    @staticmethod
-    def forward(ctx, master, value):
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 def in_features(experts: nn.Module, name: str) -> int:

@@ -108,6 +108,18 @@ class _StraightThrough(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+class Substitute(torch.autograd.Function):
+    """Forward: `value` (a quantized operand); backward: the gradient goes to `master` unchanged (straight-through)."""
+
+    @staticmethod
+    def forward(ctx, master, value):
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class QuantizedLinear(nn.Module):
     """A linear layer run at `precision`, holding the same weight and bias Parameters as the layer it replaces
     (so state-dict names, optimizers and weight updates are unchanged)."""
@@ -133,6 +145,16 @@ class QuantizedLinear(nn.Module):
         ops.forget_weight_copies after them."""
         w, recipe = self.weight, self.precision.recipe
         return derived(w, "quant.linear", lambda: _quantized_values(w, recipe), recipe)
+
+    def weight_values(self) -> torch.Tensor:
+        """The weight as this layer's product uses it, [N, K] float32: Q(W)'s values (bf16: W rounded to bfloat16),
+        once per weight version; under autograd the gradient goes straight through to the master weight. For a
+        product that uses the weight otherwise than as `forward` does (multi-head latent attention absorbs
+        kv_b_proj's weight into the per-head query and output products: models/mla.py)."""
+        values = self.quantized_weight()[1]
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return Substitute.apply(self.weight, values)
+        return values
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.precision

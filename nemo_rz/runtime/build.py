@@ -38,7 +38,8 @@ def build(cfg: schema.Config) -> Parts:
     model = build_lora(cfg.lora, apply_precision(build_model(cfg.model, task.tokenizer), precision), cfg.seed)
     learner = build_learner(model, cfg.algo, cfg.runtime.learner, cfg.megatron, cfg.seed, precision)
     max_model_len = model_len(model, task, cfg.algo.max_new_tokens)  # every prompt checked, before work
-    draft = build_draft(cfg.draft, cfg.algo.grad_clip, cfg.generation.backend, learner, model)
+    draft = build_draft(cfg.draft, cfg.algo.grad_clip, cfg.generation.backend, learner, model, cfg.model.hf_path,
+                        cfg.runtime.learner)
     return Parts(task, precision, model, learner, draft, max_model_len)
 
 
@@ -129,7 +130,7 @@ def model_len(model: Decoder, task: Task, max_new_tokens: int) -> int:
 
 
 def build_draft(d: schema.DraftSection, grad_clip: float | None, generation_backend: str, learner: Learner,
-                model: Decoder) -> DraftTrainer | None:
+                model: Decoder, hf_path: str | None = None, learner_kind: str = "builtin") -> DraftTrainer | None:
     """draft.mode=cotrain: a fresh draft trained on each RL batch's features; frozen: a saved one, only
     evaluated; both ship with every weight version. off (or YAML's bare off, false): no draft. Either learner:
     the draft is its auxiliary loss (on the Megatron learner it trains on rank 0, fed by every stage's taps)."""
@@ -139,15 +140,36 @@ def build_draft(d: schema.DraftSection, grad_clip: float | None, generation_back
     if generation_backend != "builtin":
         raise ValueError(f"draft.mode = {mode}: speculative rollouts run in the built-in engine only (the nemo-rz "
                          "draft is not wired into vLLM's EAGLE drafter); use generation.backend=builtin or draft.mode=off")
-    if mode == "frozen" and d.checkpoint is None:
+    if d.kind == "mtp":
+        head = build_mtp(d, mode, model, hf_path, learner_kind)
+    elif mode == "frozen" and d.checkpoint is None:
         raise ValueError("draft.mode = frozen needs draft.checkpoint (a draft saved with nemo_rz.models.draft.save_draft)")
-    if d.checkpoint is not None:  # frozen, or co-training that starts from a saved draft
+    elif d.checkpoint is not None:  # frozen, or co-training that starts from a saved draft
         head = load_draft(d.checkpoint, model)
     else:
         head = DraftHead(model.config, d.aux_layers, d.num_layers, d.vocab_size)
     trainer = DraftTrainer(head, mode, d.lr, d.loss_weight, d.steps, d.k, grad_clip, fresh=d.checkpoint is None)
     learner.add_aux_loss(trainer)
     return trainer
+
+
+def build_mtp(d: schema.DraftSection, mode: str, model: Decoder, hf_path: str | None, learner_kind: str):
+    """draft.kind=mtp: the MTP layers of the checkpoint at model.hf_path (refused in one line when it has none), or,
+    for a fresh model, draft.num_layers fresh ones of the model's layer kind (co-trained from scratch)."""
+    from nemo_rz.models.mtp import MTPHead, load_mtp
+
+    if learner_kind != "builtin":
+        raise ValueError(f"draft.kind = mtp: the {learner_kind} learner does not tap the final hidden states the MTP "
+                         "layers read; use runtime.learner=builtin or draft.kind=eagle")
+    if d.checkpoint is not None:
+        raise ValueError(f"draft.checkpoint = {d.checkpoint}: an MTP draft comes with model.hf_path's checkpoint "
+                         "(its num_nextn_predict_layers); set draft.checkpoint=null or draft.kind=eagle")
+    if hf_path:
+        return load_mtp(hf_path, model)
+    if mode == "frozen":
+        raise ValueError("draft.kind = mtp with draft.mode = frozen needs model.hf_path (a checkpoint with "
+                         "multi-token-prediction layers) to evaluate; use draft.mode=cotrain for fresh MTP layers")
+    return MTPHead(model.config, d.num_layers)
 
 
 def worker_kwargs(cfg: schema.Config, parts: Parts) -> dict:
@@ -159,8 +181,7 @@ def worker_kwargs(cfg: schema.Config, parts: Parts) -> dict:
         kernels=r.rollout_kernels or cfg.kernels, dtype=r.rollout_dtype,
         max_batch_size=a.prompts_per_update * a.group_size, max_model_len=parts.max_model_len, threads=r.worker_threads,
         generation_backend=cfg.generation.backend, temperature=a.temperature,
-        draft=None if draft is None else dict(aux_layers=list(draft.draft.aux_layers), num_layers=len(draft.draft.layers),
-                                              k=draft.k, vocab_size=draft.draft.vocab.numel()),
+        draft=None if draft is None else {**draft.draft.worker_spec(), "k": draft.k},
         precision=parts.precision.as_dict(),
         lora=parts.model.lora_spec.as_dict() if lora.adapted(parts.model) else None,
     )

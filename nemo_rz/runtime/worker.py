@@ -9,7 +9,7 @@ from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.generation.speculative import Speculator
 from nemo_rz.models import Decoder, DecoderConfig
-from nemo_rz.models.draft import DraftHead
+from nemo_rz.models.draft import from_spec as draft_from_spec
 from nemo_rz.models.lora import LoraSpec, apply_lora, is_adapter
 from nemo_rz.protocols import RolloutEngineProtocol
 from nemo_rz.quant.apply import apply_precision
@@ -42,8 +42,7 @@ class RolloutWorker:
             model = apply_lora(apply_precision(Decoder(cfg).eval(), precision), lora)
             speculator = None
             if draft is not None:
-                speculator = Speculator(DraftHead(cfg, draft["aux_layers"], draft["num_layers"], draft["vocab_size"]),
-                                         draft["k"])
+                speculator = Speculator(draft_from_spec(cfg, draft), draft["k"])
             self.engine = RolloutEngine(model, max_batch_size=max_batch_size, max_model_len=max_model_len,
                                         speculator=speculator)
         elif generation_backend == "vllm":
