@@ -573,10 +573,11 @@ def _check_ranks(plain: dict, meg: dict, cpus: int, where: str) -> None:
 
 def memory_need(plain: dict, shape: Shape) -> dict[str, float]:
     """A lower bound on the bytes a run holds at once, by part. Weights: the learner's (with gradients and Adam's
-    two moments), max_lag + 1 kept versions, one copy per rollout worker (the draft's too). Rollout: each worker's KV cache, a slot
-    per row of a batch, each of at least max_new_tokens + 1 positions. Activations: the autograd tensors of the
-    learner's step (RL: 2+ tokens per row; warm-up: 3+), per token at least 4 x hidden + 3 x MLP features per
-    layer and 2 x vocabulary logits, float32."""
+    two moments), max_lag + 1 kept versions, one copy per rollout worker (the draft's too); with LoRA
+    (lora.rank > 0) gradients, Adam's moments and kept versions are the adapter's alone (`lora_params`).
+    Rollout: each worker's KV cache, a slot per row of a batch, each of at least max_new_tokens + 1 positions.
+    Activations: the autograd tensors of the learner's step (RL: 2+ tokens per row; warm-up: 3+), per token at
+    least 4 x hidden + 3 x MLP features per layer and 2 x vocabulary logits, float32."""
     a, r, w = plain["algo"], plain["runtime"], plain["warmup"]
     h, layers = shape.hidden, shape.layers
     attn = h * shape.heads * shape.head_dim * 2 + h * shape.kv * shape.head_dim * 2
@@ -586,7 +587,12 @@ def memory_need(plain: dict, shape: Shape) -> dict[str, float]:
         mlp, active = 3 * h * shape.inter, shape.inter
     params = shape.vocab * h * (1 if shape.tied else 2) + layers * (attn + mlp)
     workers = r["rollout_workers"]
-    weights = 4 * params * (4 + a["max_lag"] + 1 + workers)
+    adapter = lora_params(plain.get("lora") or {}, shape)
+    if adapter:  # LoRA: the base frozen (no gradients, no Adam), held by the learner, once for the workers to read
+        # (shared ring / object store) and by each worker; the float32 adapter trained and in every kept version
+        weights = 4 * params * (2 + workers) + 4 * adapter * (4 + a["max_lag"] + 1 + workers)
+    else:
+        weights = 4 * params * (4 + a["max_lag"] + 1 + workers)
     d = plain["draft"]
     if d["mode"] not in ("off", False):  # dense layers of the target's width, trained (Adam) and shipped to every worker
         aux = len(d["aux_layers"]) if d["aux_layers"] else 3
@@ -600,6 +606,28 @@ def memory_need(plain: dict, shape: Shape) -> dict[str, float]:
     warm = w["batch_size"] * 3 * per_token if w["steps"] > 0 else 0
     return {"weights and optimizer state": weights, "rollout KV caches": kv, "RL step activations": rl,
             "warm-up step activations": warm}
+
+
+# The linear layers lora.modules names (nemo_rz.models.lora's targets), by group: (in, out) features of each.
+def _lora_dims(shape: Shape) -> dict[str, tuple[str, int, int]]:
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv * shape.head_dim
+    return {"q_proj": ("attention", h, q), "k_proj": ("attention", h, kv), "v_proj": ("attention", h, kv),
+            "o_proj": ("attention", q, h), "gate_proj": ("mlp", h, shape.inter), "up_proj": ("mlp", h, shape.inter),
+            "down_proj": ("mlp", shape.inter, h)}
+
+
+def lora_params(lora: dict, shape: Shape) -> int:
+    """The adapter's parameter count, rank x (in + out features) per adapted linear layer (0 for lora.rank = 0);
+    a lower bound: the layers of an MoE model's MLPs count only as much as a model without dense MLPs has (none)."""
+    rank = lora.get("rank") or 0
+    if rank <= 0:
+        return 0
+    dims = _lora_dims(shape)
+    modules = str(lora.get("modules", "all"))
+    names = [n for n, (group, _, _) in dims.items() if modules in ("all", group)] if modules in ("all", "attention", "mlp") \
+        else [n.strip() for n in modules.split(",") if n.strip() in dims]
+    per_layer = sum(rank * (dims[n][1] + dims[n][2]) for n in names if not (shape.experts and dims[n][0] == "mlp"))
+    return shape.layers * per_layer
 
 
 def _total(need: dict[str, float]) -> float:

@@ -1,6 +1,7 @@
 """LoRA (nemo_rz.models.lora): adapters inside nemo-rz's consistent ops on the learner and the built-in engine, the
 base frozen, adapter-only weight versions, and the config seam. Negative controls: fast kernels, a merged-weight
 refit (W + scale * B @ A on the base's grid), full fine-tuning (the base moves, every tensor ships)."""
+import dataclasses
 import json
 
 import pytest
@@ -210,3 +211,29 @@ def test_the_megatron_learner_refuses_lora_in_one_line():
     cfg = build.schema.typed(config.load(None, TINY + ["lora.rank=4"]))
     with pytest.raises(ValueError, match="LoRA runs on the built-in learner only"):
         from_config(cfg.megatron, cfg.algo, 0, _model(), None)
+
+
+def test_the_memory_bound_counts_gradients_and_adam_for_the_adapter_alone():
+    """schema.memory_need with lora.rank > 0: the base held by the learner, once for the workers and by each worker,
+    without gradients or Adam's moments; the float32 adapter with both, in every kept version and worker. The
+    numbers by hand for a small shape; full fine-tuning's bound (the control) is the old one."""
+    from omegaconf import OmegaConf
+
+    from nemo_rz import schema
+
+    shape = schema.Shape(hidden=8, inter=16, layers=2, heads=2, kv=1, head_dim=4, vocab=10, positions=64, tied=True)
+    plain = OmegaConf.to_container(config.load(None, ["algo.max_lag=1", "runtime.rollout_workers=1"]))
+    attn = 8 * 8 * 2 + 8 * 4 * 2  # q, o: 8 x 8; k, v: 8 x 4
+    params = 10 * 8 + 2 * (attn + 3 * 8 * 16)
+    full = schema.memory_need(plain, shape)["weights and optimizer state"]
+    assert full == 4 * params * (4 + 2 + 1)
+    plain["lora"].update(rank=2, modules="q_proj,down_proj")
+    adapter = 2 * 2 * ((8 + 8) + (16 + 8))  # layers x rank x (in + out) of q_proj and down_proj
+    assert schema.lora_params(plain["lora"], shape) == adapter == 160
+    assert schema.memory_need(plain, shape)["weights and optimizer state"] == 4 * params * (2 + 1) + 4 * adapter * (4 + 2 + 1)
+    plain["lora"]["modules"] = "attention"
+    assert schema.lora_params(plain["lora"], shape) == 2 * 2 * (16 + 12 + 12 + 16)
+    plain["lora"]["modules"] = "mlp"
+    assert schema.lora_params(plain["lora"], dataclasses.replace(shape, experts=4, topk=2, moe_inter=8)) == 0
+    plain["lora"]["rank"] = 0
+    assert schema.memory_need(plain, shape)["weights and optimizer state"] == full
