@@ -11,7 +11,7 @@ import torch
 from nemo_rz.ops.rope import RopeScaling
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")  # linear: models/linear_attention.py
 # "rms": weight * normalized in the model dtype (Qwen/Llama); "rms_f32": weight applied in float32 (gpt-oss);
 # "gemma": normalized * (1 + weight) in float32 (Gemma).
 NORMS = ("rms", "rms_f32", "gemma")
@@ -75,6 +75,14 @@ class DecoderConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the RoPE part's dimensions rotate in adjacent pairs (DeepSeek)
+    # -- hybrid linear attention (layer_types "linear_attention": Gated DeltaNet, models/linear_attention.py) --
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    attention_output_gate: bool = False  # full attention times sigmoid(a per-head gate from q_proj) (Qwen3-Next)
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * this dimensions of each head
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -159,6 +167,22 @@ class DecoderConfig:
             if self.qk_norm or self.attention_sinks or self.sliding_window is not None:
                 raise ValueError("DecoderConfig: attention_kind='mla' has no qk_norm, sinks or sliding windows; turn them off")
 
+        if self.layer_types is not None and "linear_attention" in self.layer_types:
+            for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                         "linear_conv_kernel_dim"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"DecoderConfig.{name} = {value!r}: linear_attention layers need a positive integer")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"DecoderConfig: linear_num_value_heads={self.linear_num_value_heads} is not a multiple "
+                                 f"of linear_num_key_heads={self.linear_num_key_heads}")
+            if self.attention_kind != "gqa":
+                raise ValueError("DecoderConfig: linear_attention layers beside attention_kind='mla' are not supported")
+        rot = self.head_dim * self.partial_rotary_factor
+        if not (0 < self.partial_rotary_factor <= 1) or rot != int(rot) or int(rot) % 2:
+            raise ValueError(f"DecoderConfig.partial_rotary_factor = {self.partial_rotary_factor!r}: head_dim times it "
+                             "must be an even whole number of dimensions, at most head_dim")
+
     # -- per-layer structure ---------------------------------------------------------------------------
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s attention window (None: full attention)."""
@@ -168,6 +192,14 @@ class DecoderConfig:
 
     def windows(self) -> list[int | None]:
         return [self.window(i) for i in range(self.num_layers)]
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer `layer` is a linear-attention (Gated DeltaNet) layer."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)

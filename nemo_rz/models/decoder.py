@@ -59,6 +59,7 @@ class KVCache:
     v: list[torch.Tensor]
     length: int | None = None  # positions served per sequence (None: the first layer's slots)
     windows: list[int | None] | None = None  # each layer's attention window (None: full), for the prefix cache
+    linear: dict | None = None  # {layer: models.linear_attention.LinearState} of a hybrid model's linear layers
 
     @property
     def max_len(self) -> int:
@@ -326,7 +327,9 @@ class Decoder(nn.Module):
         max_len += (-max_len) % ops.KV_BLOCK
         dev = torch.device(device) if device is not None else self.model.embed_tokens.weight.device
 
-        def slots(window: int | None) -> int:
+        def slots(window: int | None, layer: int) -> int:
+            if cfg.is_linear(layer):  # no keys: its state is a LinearState (never read or written as keys)
+                return ops.KV_BLOCK
             if window is None or step_tokens is None or dev.type == "cuda":
                 return max_len
             ring = window - 1 + step_tokens
@@ -334,12 +337,17 @@ class Decoder(nn.Module):
 
         latent = cfg.attention_kind == "mla"  # one latent row per token (models/mla.py): keys and values alike
         dim = cfg.kv_lora_rank + cfg.head_dim if latent else cfg.head_dim
-        shapes = [(num_seqs, cfg.num_kv_heads, slots(w), dim) for w in cfg.windows()]
+        shapes = [(num_seqs, cfg.num_kv_heads, slots(w, i), dim) for i, w in enumerate(cfg.windows())]
         def make():
             return [torch.zeros(shape, dtype=cfg.torch_dtype, device=dev) for shape in shapes]
 
         k = make()
-        return KVCache(k, list(k) if latent else make(), max_len, cfg.windows())
+        linear = None
+        if any(cfg.is_linear(i) for i in range(cfg.num_layers)):
+            from nemo_rz.models.linear_attention import LinearState
+
+            linear = {i: LinearState.new(cfg, num_seqs, dev) for i in range(cfg.num_layers) if cfg.is_linear(i)}
+        return KVCache(k, list(k) if latent else make(), max_len, cfg.windows(), linear)
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, seq_idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run query tokens of any mix of sequences against (and into) `cache`; returns hidden [N, hidden]."""

@@ -181,7 +181,12 @@ def mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
 
 
 def attention(cfg: DecoderConfig, layer: int) -> nn.Module:
-    """Layer `layer`'s attention: GQA, or multi-head latent attention (models/mla.py)."""
+    """Layer `layer`'s attention: GQA, multi-head latent attention (models/mla.py), or a hybrid model's layers
+    (models/linear_attention.py: Gated DeltaNet, the output-gated full attention)."""
+    if cfg.is_linear(layer) or cfg.attention_output_gate:
+        from nemo_rz.models.linear_attention import GatedAttention, GatedDeltaNet
+
+        return (GatedDeltaNet if cfg.is_linear(layer) else GatedAttention)(cfg, layer)
     if cfg.attention_kind == "mla":
         from nemo_rz.models.mla import LatentAttention
 
@@ -195,12 +200,13 @@ class Block(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
         self.input_layernorm = norm(cfg)
-        self.self_attn = attention(cfg, layer)
+        self.mixer = "linear_attn" if cfg.is_linear(layer) else "self_attn"  # transformers' names
+        self.add_module(self.mixer, attention(cfg, layer))
         self.post_attention_layernorm = norm(cfg)
         self.mlp = mlp(cfg, layer)
 
     def forward(self, x: torch.Tensor, t) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), t)
+        x = x + getattr(self, self.mixer)(self.input_layernorm(x), t)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
