@@ -115,8 +115,10 @@ _SCALING_KEYS = {
 }
 
 
-def _one_rope(p: dict, d: dict, source: str, where: str, default_theta: float) -> tuple[float, dict | None]:
-    """(theta, rope_scaling dict or None) for one rope_parameters entry, as transformers reads it."""
+def _one_rope(p: dict, d: dict, source: str, where: str, default_theta: float,
+              partial: bool = False) -> tuple[float, dict | None]:
+    """(theta, rope_scaling dict or None) for one rope_parameters entry, as transformers reads it (partial: the
+    family reads partial_rotary_factor itself)."""
     if not isinstance(p, dict):
         raise ModelFileError(f"{where!r} in {source} is {p!r}: expected an object; fix config.json")
     rope_type = p.get("rope_type", p.get("type", "default"))
@@ -126,7 +128,7 @@ def _one_rope(p: dict, d: dict, source: str, where: str, default_theta: float) -
             f"{', '.join(ROPE_TYPES)}; use a checkpoint with one of these"
         )
     factor = p.get("partial_rotary_factor", d.get("partial_rotary_factor"))
-    if factor not in (None, 1, 1.0):
+    if factor not in (None, 1, 1.0) and not partial:
         raise ModelFileError(
             f"partial_rotary_factor={factor!r} in {source} is not supported: nemo_rz rotates the whole head; "
             "use a checkpoint with full rotary embeddings"
@@ -165,7 +167,7 @@ def _rope(d: dict, source: str, fam, model_type: str) -> tuple[float, dict | Non
         raise ModelFileError(f"{where!r} in {source} is {params!r}: expected an object or null; fix config.json")
     nested = {k: v for k, v in params.items() if k in LAYER_TYPES}
     if not nested:
-        theta, scaling = _one_rope(params, d, source, where, fam.theta)
+        theta, scaling = _one_rope(params, d, source, where, fam.theta, getattr(fam, "partial_rotary", False))
         if fam.local_theta is not None:  # legacy Gemma 3: the scaling is the full layers', rope_local_base_freq the rest
             return theta, scaling, read_float(d, "rope_local_base_freq", source, fam.local_theta)
         return theta, scaling, None
@@ -374,6 +376,7 @@ def _structure(cfg: DecoderConfig) -> dict:
     for key in ("layer_types", "sliding_window", "moe_layers", "rope_theta", "rope_scaling", "rope_local_theta", "dtype"):
         d.pop(key)
     d.update(windows=cfg.windows(), ropes=[cfg.rope(i) for i in range(cfg.num_layers)],
+             linear=[cfg.is_linear(i) for i in range(cfg.num_layers)],
              moe=[cfg.is_moe(i) for i in range(cfg.num_layers)])
     if not cfg.num_experts:
         for key in ("num_experts_per_tok", "moe_intermediate_size", "moe_kind", "norm_topk_prob", "swiglu_limit",
