@@ -237,3 +237,45 @@ def test_the_memory_bound_counts_gradients_and_adam_for_the_adapter_alone():
     assert schema.lora_params(plain["lora"], dataclasses.replace(shape, experts=4, topk=2, moe_inter=8)) == 0
     plain["lora"]["rank"] = 0
     assert schema.memory_need(plain, shape)["weights and optimizer state"] == full
+
+
+def test_a_quantized_base_with_a_float32_adapter_has_zero_mismatch():
+    """mxfp8 on every base linear (row-local activation scales), LoRA on top: the adapter stays float32 and outside
+    the recipe (its term is adapter_product of the raw A and B, bit for bit), and after adapter updates the built-in
+    engine records the learner's logprobs at batch 1 and 16. Negative controls: fast kernels differ; an adapter
+    run through the recipe (A and B quantized like the base) gives another term."""
+    from nemo_rz.quant.apply import apply_precision
+    from nemo_rz.quant.linear import QuantizedLinear, quantize_weight
+
+    def model(seed):
+        return lora.apply_lora(apply_precision(tiny_model(0, dtype="bfloat16"), "mxfp8"), SPEC, seed=seed)
+
+    learner_model = model(0)
+    learner = _learner(learner_model)
+    engine_model = model(1)
+    engine_model.load_state_dict(learner_model.state_dict())
+    engine = RolloutEngine(engine_model, max_batch_size=16)
+    for version in (1, 2):
+        completions = engine.generate(_prompts(version, 4, 6), SamplingParams(3, seed=version))
+        _train_step(learner, completions)
+        engine.update_weights(_adapter_copy(learner_model), version)
+    q = learner_model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, QuantizedLinear) and not isinstance(q.lora_A, QuantizedLinear)
+    assert all(v.dtype == torch.float32 for v in lora.adapter_state(learner_model).values())
+    assert q.lora_B.weight.abs().sum() > 0
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        term = q(x) - QuantizedLinear.forward(q, x)
+        assert torch.equal(q(x), QuantizedLinear.forward(q, x) + lora.adapter_product(x, q.lora_A.weight, q.lora_B.weight, q.lora_scale))
+        a_q = quantize_weight(q.lora_A.weight, "mxfp8").dequantize()
+        quantized_term = lora.adapter_product(x, a_q, q.lora_B.weight, q.lora_scale)
+    assert not torch.equal(term, quantized_term)  # control: a quantized adapter would be seen
+    for n in (1, 16):  # the engine at version 2, batch 1 and 16
+        outs = engine.generate(_prompts(50 + n, n, 6), SamplingParams(3, seed=n)) if n == 16 else \
+            RolloutEngine(engine_model, max_batch_size=1).generate(_prompts(51, 1, 6), SamplingParams(3, seed=1))
+        assert {c.weight_version for c in outs} == ({2} if n == 16 else {0})
+        diff, total = count_diff(learner_model, outs)
+        assert total > 0 and diff == 0, f"batch {n}: {diff} of {total} tokens differ"
+    with ops.use_kernels("fast"):
+        outs = RolloutEngine(engine_model, max_batch_size=16, prefill_chunk=4).generate(_prompts(9, 16, 10), SamplingParams(3, seed=4))
+        assert count_diff(learner_model, outs)[0] > 0, "negative control: library kernels should differ"
