@@ -1,4 +1,5 @@
-"""A run's metrics.jsonl (one JSON object per update) and, when wanted, TensorBoard."""
+"""A run's metrics.jsonl (one JSON object per update) and the other back-ends it feeds (runtime/loggers.py:
+TensorBoard, Weights & Biases, MLflow): the same finite numbers at the same step (the record's update) in all."""
 from __future__ import annotations
 
 import json
@@ -30,15 +31,17 @@ def _open(path: Path, flags: int) -> int:
 class MetricsLog:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.tb = None  # a TensorBoard SummaryWriter, set by the caller (train.py) when wanted
+        self.backends = []  # runtime.loggers back-ends (log(scalars, step), close()), set by the caller (train.py)
 
     def write(self, record: dict) -> None:
         with os.fdopen(_open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, record["update"])
+        if self.backends:
+            from nemo_rz.runtime.loggers import scalars
+
+            values = scalars(record)
+            for backend in self.backends:
+                backend.log(values, record["update"])
 
     def keep_until(self, version: int) -> None:
         """Drop the lines of updates after `version` (an interrupted run's, about to be replayed) and a last line
@@ -58,5 +61,6 @@ class MetricsLog:
         atomic.write_text(self.path, "".join(line + "\n" for line in kept))
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        backends, self.backends = self.backends, []
+        for backend in backends:
+            backend.close()
