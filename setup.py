@@ -33,9 +33,12 @@ setup(
         # real checkpoints' tokenizers and chat templates, and GGUF files (dequantized by transformers)
         "hf": ["transformers>=4.56", "tokenizers", "jinja2", "gguf>=0.19", "accelerate"],
         "math": ["math-verify"],  # the `math` verifier
+        "data": ["datasets"],  # task.name=hf_dataset: parquet / JSON / arrow files and save_to_disk directories
+        "loggers": ["wandb", "mlflow-skinny"],  # metrics.wandb / metrics.mlflow
         "bench": ["trl>=1.16,<1.17", "datasets"],  # benchmarks/vs_trl.py: TRL's GRPOTrainer (its 1.16 config fields and hooks)
         "dev": ["pytest", "hypothesis", "ruff", "transformers>=4.56", "tokenizers", "jinja2", "gguf>=0.19", "accelerate", "math-verify",
-                "triton>=3.7", "torchao>=0.18,<0.19", "peft>=0.17"],  # torchao: the MX/NVFP4 cross-checks in test_quant.py;
+                "triton>=3.7", "torchao>=0.18,<0.19", "peft>=0.17",
+                "datasets", "wandb", "mlflow-skinny"],  # torchao: the MX/NVFP4 cross-checks in test_quant.py;
         # peft: tests/test_lora_peft.py checks nemo-rz's PEFT adapter files against it (nemo-rz reads and writes them itself)
     },
     entry_points={
@@ -52,6 +55,7 @@ setup(
             *(f"task.{n} = nemo_rz.tasks:{n}" for n in ("add1", "add2", "add3", "mul1", "mul2")),
             "task.reverse = nemo_rz.tasks.arithmetic:reverse",
             "task.jsonl = nemo_rz.tasks.jsonl:jsonl_task",
+            "task.hf_dataset = nemo_rz.tasks.hf_dataset:hf_dataset_task",
             *(f"verifier.{n} = nemo_rz.tasks.verifiers:{n}" for n in ("exact", "numeric", "digits", "boxed")),
             "verifier.math = nemo_rz.tasks.verifiers:math_equal",
         ],

@@ -225,8 +225,13 @@ SCHEMA: dict[str, Key] = {
     "draft.checkpoint": Str(optional=True, null_means="for a fresh draft (draft.mode=frozen needs one)", fixed=True),
     "metrics.decomposition_every": Int(0, why="0 = never"),
     "metrics.tensorboard": Bool(),
+    "metrics.wandb": Bool(why="a Weights & Biases run in RUN_DIR/wandb (offline unless WANDB_API_KEY or WANDB_MODE is set)"),
+    "metrics.mlflow": Bool(why="an MLflow run (tracking store metrics.mlflow_uri)"),
+    "metrics.project": Str(why="the W&B project and MLflow experiment"),
+    "metrics.mlflow_uri": Str(optional=True, null_means="for file://RUN_DIR/mlruns (or MLFLOW_TRACKING_URI)"),
     "checkpoint.every": Int(0, why="0 = never"),
     "checkpoint.keep": Int(1),
+    "export.on_finish": Bool(why="export the last checkpoint to RUN_DIR/export (nemo_rz.tools.export) when the run ends"),
 }
 
 

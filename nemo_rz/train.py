@@ -98,10 +98,9 @@ def run(cfg, run_dir: Path) -> dict:
     trainer = Trainer(cfg, run_dir, Path(cfg.resume) if cfg.resume else None)
     if cfg.resume:  # restored: the changes this resume made (already checked) now belong to the run
         atomic.write_text(run_dir / config_lib.RUN_CONFIG, OmegaConf.to_yaml(cfg))
-    if cfg.metrics.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
+    from nemo_rz.runtime.loggers import open_backends
 
-        trainer.metrics_log.tb = SummaryWriter(str(run_dir / "tb"))
+    trainer.metrics_log.backends = open_backends(trainer.cfg.metrics, run_dir, OmegaConf.to_container(cfg, resolve=True))
     bar = None
     if cfg.progress:
         from tqdm import tqdm
@@ -128,6 +127,10 @@ def run(cfg, run_dir: Path) -> dict:
     from nemo_rz.tools.report import write_plots
 
     write_plots(run_dir)
+    if cfg.export.on_finish:
+        from nemo_rz.tools.export import export_on_finish
+
+        export_on_finish(run_dir)
     return summary
 
 

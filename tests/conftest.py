@@ -126,3 +126,43 @@ def venv_over_this(path: Path, with_checkout: bool) -> Path:
     lines = [f"import site; site.addsitedir({d!r})" for d in dirs] if with_checkout else dirs
     Path(purelib, "_outer_packages.pth").write_text("\n".join(lines) + "\n")
     return python
+
+
+@pytest.fixture(scope="session")
+def logged_run(tmp_path_factory):
+    """A 2-update in-process run of the tiny model on a GSM8K-shaped parquet file (task.name=hf_dataset), logging to
+    metrics.jsonl, TensorBoard, W&B (offline) and MLflow (a file store), exporting at the end: (run dir, metrics rows).
+    Shared by test_hf_dataset.py and test_loggers.py."""
+    import json
+
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    from nemo_rz import train
+
+    root = tmp_path_factory.mktemp("logged_run")
+    rows = [dict(question=f"{a}+{b}=", answer=f"{a} and {b} make {a + b}.\n#### {a + b}") for a in range(5) for b in range(5)]
+    datasets.Dataset.from_list(rows).to_parquet(str(root / "gsm8k.parquet"))
+    run = root / "run"
+    env = {k: os.environ.get(k) for k in ("WANDB_MODE", "WANDB_SILENT", "WANDB_API_KEY", "MLFLOW_TRACKING_URI")}
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    for k in ("WANDB_API_KEY", "MLFLOW_TRACKING_URI"):
+        os.environ.pop(k, None)
+    try:
+        rc = train.main([
+            f"run_dir={run}", "task.name=hf_dataset", f"task.options.path={root / 'gsm8k.parquet'}",
+            "task.options.prompt_field=question", "task.options.answer_field=answer", "task.options.answer_extractor=gsm8k",
+            "task.options.verifier=numeric", "task.options.heldout_fraction=0.2", "warmup.steps=2", "algo.updates=2",
+            "algo.prompts_per_update=2", "algo.group_size=2", "algo.max_new_tokens=3", "eval.n=4", "eval.every=0",
+            "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1", "progress=false",
+            "metrics.decomposition_every=1", "metrics.tensorboard=true", "metrics.wandb=true", "metrics.mlflow=true",
+            "checkpoint.every=2", "export.on_finish=true",
+        ])
+    finally:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert rc == 0
+    return run, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
