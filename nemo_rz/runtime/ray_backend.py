@@ -1,10 +1,12 @@
 """Ray back-end: rollout actors on a Ray cluster (a local one when none is running); weights via the object store.
 
 Same contract as the local back-end: each published version is put in the object store once and handed to
-the actor with the job that needs it; a failed actor is replaced (a bounded number of times, see
-restarts.py) and its unfinished jobs are sent again. An actor that stops answering its heartbeat (a ping served
-by a thread of its own, beside the job) for `heartbeat_s` seconds is hung: it is killed, said so in one line,
-and replaced the same way.
+the actor with the job that needs it. A LoRA policy's base (the bundle's `static_names`, the same in every
+version) is put once, at the first version; each actor (incarnation) fetches it once, at its first job, and
+every version carries the adapters alone (`publish` returns the bytes it put, as the local ring's does). A failed
+actor is replaced (a bounded number of times, see restarts.py) and its unfinished jobs are sent again. An actor
+that stops answering its heartbeat (a ping served by a thread of its own, beside the job) for `heartbeat_s`
+seconds is hung: it is killed, said so in one line, and replaced the same way.
 
 A cluster this back-end starts is private to the run: every process of it binds the loopback address only,
 its session folder lies in a 0700 folder of its own (removed at close), and it requires a random per-run token
@@ -28,6 +30,7 @@ import time
 from nemo_rz.errors import Terminated
 from nemo_rz.runtime.jobs import Job, Result, decode_completions
 from nemo_rz.runtime.restarts import HEARTBEAT_S, STARTUP_S, RestartBudget, check_heartbeat, one_line
+from nemo_rz.runtime.weights import WeightsBundle
 
 _HEARTBEAT_GROUP = "heartbeat"
 
@@ -38,9 +41,16 @@ class _Actor:
 
         self.worker = RolloutWorker(**worker_kwargs)
         self.incarnation, self.crash_at_batch = incarnation, crash_at_batch
+        self.static = None
 
-    def run(self, job: Job, weights: dict):
-        self.worker.load(job.version, weights)
+    def run(self, job: Job, weights: dict, static: list):
+        """`static`: [the object ref of the tensors every version shares (a LoRA base)], boxed so that Ray does not
+        fetch it with every job: this incarnation fetches it once, at its first job."""
+        if self.static is None:
+            import ray
+
+            self.static = ray.get(static[0])
+        self.worker.load(job.version, {**self.static, **weights})
         out = self.worker.run(job)
         if self.incarnation == 0 and job.batch == self.crash_at_batch:
             os._exit(17)  # fault injection for tests
@@ -75,6 +85,8 @@ class RayBackend:
         for i in range(num_workers):
             self._spawn(i)
         self.refs: dict[int, object] = {}
+        self.static_ref, self.static_names, self.static_bytes = None, frozenset(), 0  # set by the first publish
+        self.shipped: dict[int, int] = {}  # version -> the bytes its publish put in the object store
         self.futures: dict[object, tuple[int, Job]] = {}
         self.budget = budget or RestartBudget()
 
@@ -82,13 +94,22 @@ class RayBackend:
         self.actors[i] = self.remote_cls.remote(self.worker_kwargs, self.incarnations[i], self.crash_at_batch)
         self.beats[i] = [None, time.monotonic(), False]  # [unanswered ping, when it (or the actor) was sent, answered once]
 
-    def publish(self, version: int, state_dict) -> None:
-        self.refs[version] = self.ray.put({k: v.clone() for k, v in state_dict.items()})
+    def publish(self, version: int, state_dict) -> int:
+        """Put version `version` in the object store; returns the bytes it put (the static tensors: once)."""
+        if self.static_ref is None:
+            self.static_names = frozenset(WeightsBundle.from_flat(state_dict, version).static_names())
+            static = {k: v.detach().clone() for k, v in state_dict.items() if k in self.static_names}
+            self.static_ref = self.ray.put(static)
+            self.static_bytes = sum(v.numel() * v.element_size() for v in static.values())
+        changing = {k: v.detach().clone() for k, v in state_dict.items() if k not in self.static_names}
+        self.refs[version] = self.ray.put(changing)
+        self.shipped[version] = sum(v.numel() * v.element_size() for v in changing.values())
         for old in [v for v in self.refs if v <= version - self.ring_slots]:
             del self.refs[old]
+        return self.shipped[version]
 
     def _send(self, i: int, job: Job) -> None:
-        self.futures[self.actors[i].run.remote(job, self.refs[job.version])] = (i, job)
+        self.futures[self.actors[i].run.remote(job, self.refs[job.version], [self.static_ref])] = (i, job)
 
     def submit(self, job: Job) -> None:
         load = [0] * len(self.actors)
