@@ -1,5 +1,6 @@
 """LoRA against full fine-tuning on one model: learner step time, optimizer state, and the bytes one weight version
-ships to the rollout workers (SharedWeightRing.publish: a LoRA base is held once, a version writes its adapters).
+ships to the rollout workers (SharedWeightRing.publish: a LoRA base is held once, a version writes its adapters;
+with --ray also RayBackend.publish's object-store puts: the base once, then the adapters per version).
 
 Each variant runs in a fresh subprocess (peak RSS is its ru_maxrss): the model loaded in float32 (or a random
 DecoderConfig of SmolLM2-135M's shape without --model), then `Learner.sft_step` (forward, backward, Adam) on a
@@ -60,9 +61,19 @@ def child(args) -> dict:
     first = learner.weights(0)
     ring = SharedWeightRing(first.flat(), 2, first.static_names())
     shipped = ring.publish(1, learner.weights(1).flat())
+    ray_shipped = None
+    if args.ray:  # the Ray back-end's object-store puts for the same two versions (a private cluster, no actors)
+        from nemo_rz.runtime.ray_backend import RayBackend
+
+        backend = RayBackend({}, num_workers=0, ring_slots=2)
+        try:
+            backend.publish(0, first.flat())
+            ray_shipped = dict(base_once=backend.static_bytes, per_update=backend.publish(1, learner.weights(1).flat()))
+        finally:
+            backend.close()
     return dict(variant=args.variant, rank=args.rank if args.variant == "lora" else None,
                 trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
-                optimizer_state_bytes=opt_bytes, shipped_bytes_per_update=shipped,
+                optimizer_state_bytes=opt_bytes, shipped_bytes_per_update=shipped, ray_shipped_bytes=ray_shipped,
                 step_wall_s=statistics.median(walls), step_cpu_s=statistics.median(cpus),
                 peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20)
 
@@ -74,6 +85,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--length", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--ray", action="store_true", help="also the bytes RayBackend.publish puts in Ray's object store")
     p.add_argument("--variant", choices=("full", "lora"), default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.variant:
