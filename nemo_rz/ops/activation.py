@@ -75,7 +75,7 @@ def _gated(name: str, act: Callable, gate: torch.Tensor, up: torch.Tensor,
     rows = g.shape[0]
     route = rowwise_route(name, act, f, dt, gate.device)
     if route is not None:
-        out = by_rows(act, g, route) * u
+        out = by_rows(act, g, route, elementwise=True) * u
     elif rows and rows % TILE_ROWS == 0 and g.is_contiguous() and u.is_contiguous():
         # Contiguous rows that are already whole tiles are used as is.
         out = act(g) * u

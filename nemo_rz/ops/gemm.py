@@ -20,6 +20,7 @@ import functools
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from nemo_rz.kernels import cpu as cpu_kernels
 from nemo_rz.ops.tiles import from_tiles, tiled_matmul, to_tiles
@@ -31,6 +32,7 @@ ROWS_PROBE_COUNTS = (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 24, 33)  # row counts the 
 # A bfloat16 weight multiplies up to this many rows as stored (rows_mm: it streams half the bytes, and beats the
 # library GEMM on a float32 widening made for the call); more rows take that widening (the GEMM's speed pays it).
 ROWS_MM_MAX = 48
+PAD_COLUMNS = 8  # a product without a row-invariant route is tried with its columns zero-padded to a multiple of this
 
 
 def weight_t(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -140,7 +142,25 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and x.dtype == torch.float32 and x.is_cpu and matvec_verified(k, n, route, operand):
             return cpu_kernels.matvec(x, w_t)
         return routed_mm(x, w_t, route)
+    padded = padded_route(k, n, x.dtype, x.device)
+    if padded is not None:
+        route, width = padded
+        w_p = derived(weight, "gemm.tpad", lambda: F.pad(weight.detach().t().to(x.dtype), (0, width - n)).contiguous(), x.dtype)
+        return routed_mm(x, w_p, route)[:, :n].contiguous()
     return from_tiles(tiled_matmul(to_tiles(x), weight.to(x.dtype).t()), x.shape[0])
+
+
+def padded_route(k: int, n: int, dtype: torch.dtype, device) -> tuple[Route, int] | None:
+    """(route, width) where the library GEMM is not row-invariant for [k, n] but is for [k, width], width the
+    next multiple of PAD_COLUMNS (each output column's reduction depends only on its row and its column, so the
+    zero columns added change no bit of the others); None where that is not so either (then fixed row tiles).
+    Odd narrow products (a router's n = 6 experts, n = 1) are where GEMMs take M-dependent paths; fixed row tiles
+    alone are not enough there on every CPU: AVX2 MKL gives a row other bits at another position in its tile."""
+    width = -(-n // PAD_COLUMNS) * PAD_COLUMNS
+    if width == n or device.type != "cpu":
+        return None
+    route = matmul_route(k, width, dtype, device)
+    return None if route is None else (route, width)
 
 
 class _Matmul(torch.autograd.Function):

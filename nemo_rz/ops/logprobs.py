@@ -98,7 +98,7 @@ def probabilities(logprobs: torch.Tensor) -> torch.Tensor:
     """exp of [M, V] log-probabilities, each row's bits independent of the other rows (for sampling)."""
     route = rowwise_route("exp", torch.exp, logprobs.shape[-1], logprobs.dtype, logprobs.device)
     if route is not None:
-        return by_rows(torch.exp, logprobs, route)
+        return by_rows(torch.exp, logprobs, route, elementwise=True)
     # Whole row tiles: no element falls into a vectorised loop's scalar tail.
     return from_tiles(torch.exp(to_tiles(logprobs)), logprobs.shape[0])
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_rz.ops.dispatch import compute_dtype, on_gpu_kernels
+from nemo_rz.ops.gemm import padded_route
 from nemo_rz.ops.kernel_set import consistent
 from nemo_rz.ops.tiles import from_tiles, row_sum, tiled_matmul, to_tiles
 from nemo_rz.ops.verified import by_rows, matmul_route, rowwise_route
@@ -55,7 +56,7 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
         return sigmoid(F.pad(rows, (0, (-x.shape[-1]) % 16)))[:, : x.shape[-1]]
     route = rowwise_route("sigmoid", torch.sigmoid, x.shape[-1], dt, x.device)
     if route is not None:
-        return by_rows(torch.sigmoid, rows, route)
+        return by_rows(torch.sigmoid, rows, route, elementwise=True)
     return from_tiles(torch.sigmoid(to_tiles(rows)), rows.shape[0])
 
 
@@ -169,6 +170,11 @@ def _rows_times(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if w.data_ptr() % 64:  # an expert's slice off the allocator's alignment: as the probe, a fresh copy
             w = w.clone()
         return by_rows(lambda rows, out: torch.mm(rows, w, out=out), x, route, width=n)
+    padded = padded_route(k, n, x.dtype, x.device)  # as ops.linear: zero columns up to a width with a route
+    if padded is not None:
+        route, width = padded
+        w = F.pad(w, (0, width - n))
+        return by_rows(lambda rows, out: torch.mm(rows, w, out=out), x, route, width=width)[:, :n].contiguous()
     return from_tiles(tiled_matmul(to_tiles(x), w), x.shape[0])
 
 

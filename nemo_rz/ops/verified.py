@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import threading
 from typing import Callable
@@ -87,23 +88,35 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % _ALIGN == 0 else x.clone()
 
 
-def by_rows(fn: Callable, x: torch.Tensor, route: Route, width: int | None = None) -> torch.Tensor:
+def by_rows(fn: Callable, x: torch.Tensor, route: Route, width: int | None = None,
+            elementwise: bool = False) -> torch.Tensor:
     """fn (a row-wise map) over x [M, K] in calls of route.min_rows..route.chunk rows: fewer rows are
     zero-padded, more are cut into chunks. With `width`, fn(rows, out) writes its [rows, width] result into
-    `out` (no copy; no autograd); without it, fn(rows) returns it (differentiable)."""
-    m, low_rows = x.shape[0], route.min_rows
+    `out` (no copy; no autograd); without it, fn(rows) returns it (differentiable).
+
+    `elementwise`: fn maps each element alone (exp, sigmoid, silu). ATen runs such maps over the whole buffer in
+    SIMD steps and the last M * K % step elements through its scalar loop, whose exp rounds differently, so a
+    row's bits would depend on M. Every call's row count is made a multiple of elementwise_rows(K) (zero rows):
+    no element takes the scalar loop."""
+    m, low_rows, chunk = x.shape[0], route.min_rows, route.chunk
+    if elementwise:
+        step = elementwise_rows(x.shape[1])
+        low_rows, chunk = -(-low_rows // step) * step, max(step, chunk // step * step)
+        if m % step:
+            x = F.pad(x, (0, 0, 0, step - m % step))
     with one_thread():
-        if m < low_rows:
-            x = F.pad(x, (0, 0, 0, low_rows - m))
-        if x.shape[0] <= route.chunk:
+        if x.shape[0] < low_rows:
+            x = F.pad(x, (0, 0, 0, low_rows - x.shape[0]))
+        if x.shape[0] <= chunk:
             x = _aligned(x)
             out = fn(x) if width is None else fn(x, x.new_empty(x.shape[0], width))
             return out if out.shape[0] == m else out[:m]
+        total = x.shape[0]  # m, or m padded to whole element-wise steps
         if width is not None:
-            out = x.new_empty(m, width)
+            out = x.new_empty(total, width)
         parts = []
-        for start in range(0, m, route.chunk):
-            stop = min(start + route.chunk, m)
+        for start in range(0, total, chunk):
+            stop = min(start + chunk, total)
             low = min(start, stop - low_rows)  # a short last chunk is computed inside a min_rows call ending with it
             rows = _aligned(x[low:stop])
             if width is None:
@@ -112,7 +125,16 @@ def by_rows(fn: Callable, x: torch.Tensor, route: Route, width: int | None = Non
                 fn(rows, out[start:stop])
             else:
                 out[start:stop] = fn(rows, rows.new_empty(stop - low, width))[start - low :]
-        return torch.cat(parts) if width is None else out
+        out = torch.cat(parts) if width is None else out
+        return out if total == m else out[:m]
+
+
+SIMD_ELEMENTS = 64  # a multiple of every ATen SIMD loop step (two AVX-512 float32 vectors: 32; AVX2: 16)
+
+
+def elementwise_rows(features: int) -> int:
+    """The fewest rows of `features` elements that make a whole number of SIMD_ELEMENTS."""
+    return SIMD_ELEMENTS // math.gcd(features, SIMD_ELEMENTS)
 
 
 def failing_rows(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, counts=PROBE_ROWS) -> list[int]:
