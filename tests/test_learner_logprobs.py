@@ -136,7 +136,8 @@ def test_the_learner_gradient_is_close_to_the_padded_one():
     got = grads(model.token_logprobs(ids, lengths, mask=mask))
     again = grads(model.token_logprobs(ids, lengths, mask=mask))
     for k in want:
-        assert torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6), k
+        # float32 rounding of another summation order (~7e-6 on AVX2 CPUs; the gradient is not a bit contract)
+        assert torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-5), k
         assert torch.equal(got[k], again[k]), k
 
 
