@@ -7,7 +7,11 @@ interleaved YaRN RoPE; a dense first layer, then routed experts in groups with a
 bytes per token (the latent, kv_lora_rank + qk_rope_head_dim per layer) against a per-head cache of the same
 model (heads * (qk_nope + qk_rope + v_head_dim) per layer).
 
-    python benchmarks/deepseek_throughput.py [--batch-sizes 8 32] [--max-new-tokens 32] [--reps 3]
+With --engine vllm the same model runs inside vLLM (nemo-rz's model and latent paged cache, one in-process
+engine whose kernel set is switched between the paired runs), and the cache line reports vLLM's own cache
+tensors (one latent row per token and layer, no value half) against a per-head cache.
+
+    python benchmarks/deepseek_throughput.py [--engine builtin|vllm] [--batch-sizes 8 32] [--max-new-tokens 32] [--reps 3]
 """
 from __future__ import annotations
 
@@ -57,7 +61,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
     args = ap.parse_args()
+    if args.engine == "vllm":
+        return main_vllm(args)
     torch.set_num_threads(args.threads)
     m = model()
     params = sum(p.numel() for p in m.parameters())
@@ -85,6 +92,43 @@ def main() -> None:
     print(f"KV cache per token and layer: {latent} values (latent) vs {per_head} (per-head keys and values): "
           f"{per_head / latent:.1f}x less; 32 sequences x {cache.max_len} positions: {held / 2**20:.1f} MiB held vs "
           f"{per_head_bytes / 2**20:.1f} MiB per-head")
+
+
+def main_vllm(args) -> None:
+    """Consistent vs fast tokens/s inside vLLM, paired per batch size (reps alternate the two sets), one engine."""
+    from nemo_rz.generation.vllm import VLLMRolloutEngine
+    from nemo_rz.generation.vllm.backend import kv_cache_bytes_per_token
+
+    m = model()
+    top = max(args.batch_sizes)
+    print(f"engine: vLLM (in-process), threads={args.threads}")
+    print("| batch | kernels | tokens/s (median) | differing tokens / generated |\n|---|---|---|---|")
+    g = torch.Generator().manual_seed(1)
+    with VLLMRolloutEngine(m, kernels="consistent", multiprocess=False, max_batch_size=top,
+                           max_model_len=args.prompt_len + args.max_new_tokens + 32) as engine:
+        torch.set_num_threads(args.threads)
+        for b in args.batch_sizes:
+            prompts = [torch.randint(0, SHAPE["vocab_size"], (args.prompt_len,), generator=g).tolist() for _ in range(b)]
+            sp = SamplingParams(max_new_tokens=args.max_new_tokens, seed=2)
+            rates, outs = {"consistent": [], "fast": []}, {}
+            for _ in range(args.reps + 1):  # the first round warms both sets up and is not counted
+                for mode in rates:
+                    engine.llm.collective_rpc("nemo_rz_set_kernels", args=(mode,))
+                    engine.llm.reset_prefix_cache()
+                    start = time.perf_counter()
+                    outs[mode] = engine.generate(prompts, sp)
+                    rates[mode].append(sum(len(o.token_ids) for o in outs[mode]) / (time.perf_counter() - start))
+            for mode, r in rates.items():
+                diff, total = diff_tokens(m, outs[mode])
+                print(f"| {b} | {mode} | {statistics.median(r[1:]):.0f} | {diff} / {total} |", flush=True)
+            print(f"paired ratio consistent/fast at batch {b}: "
+                  f"{statistics.median(c / f for c, f in zip(rates['consistent'][1:], rates['fast'][1:])):.2f}")
+        (info,) = engine.llm.collective_rpc("nemo_rz_info")
+    latent, per_head = cache_elements_per_token(m.config)
+    held = kv_cache_bytes_per_token(m.config)
+    print(f"vLLM KV cache tensors: {info['kv_caches'][0]} per layer ([blocks, 1, block_size, latent]); "
+          f"{held} bytes per token (all layers) vs {SHAPE['num_layers'] * per_head * 4} per-head "
+          f"({per_head / latent:.1f}x less) and {SHAPE['num_layers'] * 2 * latent * 4} for a K+V cache of the latent width")
 
 
 if __name__ == "__main__":
