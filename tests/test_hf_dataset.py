@@ -95,9 +95,10 @@ def test_gsm8k_run_trains_and_exports_on_finish(logged_run):
     assert '"updates": 2' in summary
     export = run / "export"
     assert (export / "config.json").is_file() and (export / "tokenizer.json").is_file()
+    from safetensors.torch import load_file
+
     from nemo_rz.models.hf import load_hf
     from nemo_rz.runtime import checkpoint
-    from safetensors.torch import load_file
 
     weights = load_file(checkpoint.latest(run / "checkpoints") / "model.safetensors")
     exported = load_hf(export).state_dict()

@@ -78,17 +78,10 @@ def test_every_backend_holds_the_same_metrics(logged_run):
 
 
 def test_a_missing_backend_package_is_one_line(monkeypatch, tmp_path):
-    import builtins
+    import sys
 
     from nemo_rz.runtime import loggers
 
-    real = builtins.__import__
-
-    def no_wandb(name, *args, **kw):
-        if name == "wandb":
-            raise ImportError("No module named 'wandb'")
-        return real(name, *args, **kw)
-
-    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(ValueError, match=r'metrics.wandb=true needs the wandb package: pip install -e ".\[loggers\]"'):
         loggers.Wandb(tmp_path, "p")

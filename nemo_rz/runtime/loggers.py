@@ -79,6 +79,8 @@ class Mlflow:
         from mlflow.tracking import MlflowClient
 
         uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or (Path(run_dir).resolve() / "mlruns").as_uri()
+        if uri.startswith("file:"):  # MLflow 3 keeps its file store behind this switch (a database URI needs none)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(project)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)

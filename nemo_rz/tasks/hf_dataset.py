@@ -107,10 +107,11 @@ def load_rows(path: str, split: str, prompt_field: str | None, messages_field: s
     """Problems from one split of a dataset; a bad row raises naming the file, the row and the field."""
     data = _load(path, split, what)
     field = prompt_field if messages_field is None else messages_field
-    for name in (field, answer_field):
+    keys = {field: "messages_field" if messages_field is not None else "prompt_field", answer_field: "answer_field"}
+    for name, key in keys.items():
         if name not in data.column_names:
             raise ValueError(f"{path} ({split}): no field {name!r}; it has {', '.join(data.column_names[:10])}; set "
-                             f"task.options.{'messages_field' if name == messages_field else 'prompt_field' if name == field else 'answer_field'}")
+                             f"task.options.{key}")
     problems = []
     rows = data.select_columns([field, answer_field])
     for i, row in enumerate(rows):
