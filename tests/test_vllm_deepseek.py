@@ -88,3 +88,28 @@ def test_fast_kernels_differ(served):
         engine.llm.collective_rpc("nemo_rz_set_kernels", args=("consistent",))
         engine.llm.reset_prefix_cache()
     assert total == 16 * 6 and diff > 0
+
+
+def test_latent_paged_cache_writes_one_row_per_token():
+    """PagedKVCache over latent layers: a token's row lands at (block, 0, offset) of a [blocks, 1, block_size, D]
+    tensor, keys and values are that one tensor, and separate values are refused. Negative control: the same
+    tensors read as a K+V cache put the row elsewhere (offset within the key half of a two-half page)."""
+    from nemo_rz.generation.vllm.attention import NemoRZAttentionMetadata, PagedKVCache, PagedLayers
+
+    blocks, block_size, d = 4, 32, 48
+    layers = [torch.zeros(blocks, 1, block_size, d) for _ in range(2)]
+    slots = torch.tensor([5, 70])  # block 0 offset 5, block 2 offset 6
+    md = NemoRZAttentionMetadata(num_tokens=2, num_reqs=2, seq_idx=torch.arange(2), positions=torch.tensor([5, 6]),
+                                 block_table=torch.tensor([[0, 1], [2, 3]]), slot_mapping=slots, block_size=block_size)
+    cache = PagedKVCache(PagedLayers(layers, latent=True), md)
+    latent = torch.randn(2, 1, d)
+    cache.write(1, latent, latent)
+    keys, values, _ = cache.view(1)
+    assert keys is values is layers[1]
+    assert torch.equal(layers[1][0, 0, 5], latent[0, 0]) and torch.equal(layers[1][2, 0, 6], latent[1, 0])
+    assert int((layers[1] != 0).any(-1).sum()) == 2 and not layers[0].any()
+    with pytest.raises(RuntimeError, match="one row per token"):
+        cache.write(0, latent, latent.clone())
+    wrong = [torch.zeros(blocks, 1, block_size, 2 * (d // 2)) for _ in range(2)]
+    PagedKVCache(PagedLayers(wrong), md).write(1, latent[..., : d // 2], latent[..., d // 2:])
+    assert not torch.equal(wrong[1][2, 0, 6], latent[1, 0])
