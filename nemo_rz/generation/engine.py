@@ -155,11 +155,17 @@ class RolloutEngine:
             raise ValueError(f"RolloutEngine: prefill_chunk = {prefill_chunk}: must be >= 1 or None")
         if policy is not None and speculator is not None:
             raise ValueError("RolloutEngine: pass a speculator or a policy, not both (a speculator is a policy)")
+        # A linear-attention model's state (models/linear_attention.py) holds no per-position entries to copy or
+        # roll back: no prefix-cache hits, no twin forks, no speculative rejections (its requests compute their prompts).
+        self._linear = model.config.has_linear_attention
+        if self._linear and (policy is not None and not isinstance(policy, PlainPolicy) or speculator is not None):
+            raise ValueError("RolloutEngine: speculative decoding is not supported for linear-attention models "
+                             "(a rejected proposal cannot be taken out of the recurrent state); use plain decoding")
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len or min(model.config.max_position_embeddings, 1024)
         self.prefill_chunk = prefill_chunk
-        self.prefix_cache = PrefixCache(max_blocks=prefix_cache_blocks) if prefix_cache_blocks else None
+        self.prefix_cache = PrefixCache(max_blocks=prefix_cache_blocks) if prefix_cache_blocks and not self._linear else None
         self.weight_version = weight_version
         self.seed = seed
         self._requests_seen = 0
@@ -209,7 +215,7 @@ class RolloutEngine:
                 req = waiting.popleft()
                 req.slot = free.pop()
                 first = prefilling.get(tuple(req.prompt))
-                if first is not None and first.computed < len(first.prompt):  # its twin is computing this prompt
+                if first is not None and first.computed < len(first.prompt) and not self._linear:  # its twin computes it
                     forks[id(first)].append(req)
                     continue
                 self._admit(req, self._prefix_hit(req), running)

@@ -198,6 +198,10 @@ class DecoderConfig:
         return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
 
     @property
+    def has_linear_attention(self) -> bool:
+        return any(self.is_linear(i) for i in range(self.num_layers))
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 

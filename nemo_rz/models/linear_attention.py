@@ -173,7 +173,10 @@ class GatedDeltaNet(nn.Module):
 
         # -- causal conv: K taps over the rows by position, the cache's rows before the call ----------------------
         pre = _dense(mixed, table).float()
-        hist = pre.new_zeros(s, kern - 1, pre.shape[-1]) if cache is None else cache.conv[slots]
+        # a sequence starting at position 0 has no history, whatever its slot held before
+        fresh = None if cache is None else (first == 0)
+        hist = pre.new_zeros(s, kern - 1, pre.shape[-1]) if cache is None else \
+            cache.conv[slots].masked_fill(fresh.view(-1, 1, 1), 0.0)
         ext = torch.cat([hist, pre], dim=1)  # [S, K-1+L, C]
         w = self.conv1d.weight.float().squeeze(1)  # [C, K]
         conv = ext[:, 0:length] * w[:, 0]
@@ -220,7 +223,7 @@ class GatedDeltaNet(nn.Module):
                 return torch.cat([first_tile.unsqueeze(1), tile[:, 1:]], dim=1)
             tq, tk, tv = joined(tq, cache.q, 1), joined(tk, cache.k, 1), joined(tv, cache.v, 1)
             tg, tb = joined(tg, cache.g, 0), joined(tb, cache.beta, 0)
-            state = cache.state[slots]
+            state = cache.state[slots].masked_fill(fresh.view(-1, 1, 1, 1), 0.0)
         else:
             state = tq.new_zeros(s, hv, dk, dv)
         complete = (torch.arange(1, tiles + 1, device=dev)[None, :] * CHUNK) <= end[:, None]

@@ -15,8 +15,8 @@ its row has the same bits whether the rest of the chunk is known (prefill) or pa
 sequence holds S at its last boundary and the current partial chunk's inputs (< CHUNK tokens, float32): see
 models/linear_attention.py.
 
-Every product is a fixed-shape batched matmul / triangular solve of [CHUNK, *] tiles (each tile's bits do not
-depend on how many tiles a call runs), and every transcendental element-wise op runs through `pointwise`
+Every product is a fixed-shape batched matmul (`bmm`: 16 matrices per call) or triangular solve of [CHUNK, *]
+tiles (each tile's bits do not depend on how many tiles a call runs), and every transcendental element-wise op runs through `pointwise`
 (single-threaded, padded to whole SIMD steps, so no element lands in a vector loop's scalar tail). The same code
 runs under autograd for the learner (a loop over chunks, not tokens).
 
@@ -57,6 +57,24 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * pointwise(torch.rsqrt, total + eps).unsqueeze(-1)
 
 
+_GROUP = 16  # matrices per torch.bmm call
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., m, k] @ b [..., k, n] (b broadcast over a's leading dims) in calls of exactly 16 contiguous matrix
+    pairs (zero-padded): a library batched GEMM may pick another kernel or thread split for another batch count,
+    a fixed count gives each matrix the same bits in any call. Differentiable."""
+    lead = a.shape[:-2]
+    a2 = a.reshape(-1, *a.shape[-2:]).contiguous()
+    b2 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:]).contiguous()
+    n = a2.shape[0]
+    pad = (-n) % _GROUP
+    if pad:
+        a2, b2 = F.pad(a2, (0, 0, 0, 0, 0, pad)), F.pad(b2, (0, 0, 0, 0, 0, pad))
+    out = torch.cat([torch.bmm(a2[i:i + _GROUP], b2[i:i + _GROUP]) for i in range(0, a2.shape[0], _GROUP)])
+    return out[:n].view(*lead, a.shape[-2], b.shape[-1])
+
+
 def _masks(device) -> tuple[torch.Tensor, torch.Tensor]:
     ones = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=device)
     return ones.tril(), ones.tril(-1)
@@ -74,21 +92,21 @@ def chunk_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     gamma = pointwise(torch.exp, (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~incl, float("-inf")))
     kt = k.transpose(-1, -2)
     kb = k * beta.unsqueeze(-1)
-    system = (kb @ kt) * gamma  # the strictly lower part is the UT system's (the diagonal is not read)
+    system = bmm(kb, kt) * gamma  # the strictly lower part is the UT system's (the diagonal is not read)
     system = system.masked_fill(~strict, 0.0)
     egc = pointwise(torch.exp, gc).unsqueeze(-1)
     u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, kb * egc, upper=False, unitriangular=True)
-    attn = (q @ kt) * gamma
+    attn = bmm(q, kt) * gamma
     qd = q * egc
     last = gc[..., -1:]
     kd = k * pointwise(torch.exp, last - gc).unsqueeze(-1)
     chunk_decay = pointwise(torch.exp, last).unsqueeze(-1)  # [S, T, H, 1, 1]
     outs = []
     for i in range(q.shape[1]):
-        v_new = u[:, i] - w[:, i] @ state
-        outs.append(qd[:, i] @ state + attn[:, i] @ v_new)
+        v_new = u[:, i] - bmm(w[:, i], state)
+        outs.append(bmm(qd[:, i], state) + bmm(attn[:, i], v_new))
         if i + 1 < q.shape[1] or bool(complete[:, i].any()):
-            new = state * chunk_decay[:, i] + kd[:, i].transpose(-1, -2) @ v_new
+            new = state * chunk_decay[:, i] + bmm(kd[:, i].transpose(-1, -2), v_new)
             state = torch.where(complete[:, i].view(-1, 1, 1, 1), new, state)
     return torch.stack(outs, 1), state
