@@ -29,6 +29,13 @@ def invariant(fn, rows, seed=0) -> bool:
     return all(torch.equal(fn(*(r[idx] for r in rows)), full[idx]) for idx in batches(rows[0].shape[0], seed))
 
 
+def prefixes_invariant(fn, rows) -> bool:
+    """fn on the first m rows == the first m rows of fn on all, for every m: where a row falls in a SIMD loop
+    (the scalar tail) shows at some m, whichever subsets `batches` picks."""
+    full = fn(*rows)
+    return all(torch.equal(fn(*(r[:m].clone() for r in rows)), full[:m]) for m in range(1, rows[0].shape[0]))
+
+
 def rel_err(out, ref):
     return ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
@@ -245,10 +252,10 @@ def test_activation_matches_float64_is_invariant_and_fast_control(name):
     fn, ref = ACTIVATIONS[name]
     g, u = (torch.randn(64, 100, generator=gen(s)) * 5 for s in (18, 19))  # beyond the clamp limit too
     assert rel_err(fn(g, u), ref(g, u)) < 1e-6
-    assert invariant(fn, (g, u))
+    assert invariant(fn, (g, u)) and prefixes_invariant(fn, (g, u))
     with ops.use_kernels("fast"):  # library element-wise kernels: bits depend on where a row falls in the SIMD loop
         assert rel_err(fn(g, u), ref(g, u)) < 1e-6
-        assert not invariant(fn, (g, u))
+        assert not prefixes_invariant(fn, (g, u))
     # Interleaved halves of a fused projection (gpt-oss's gate_up) and bfloat16.
     fused = torch.stack([g, u], -1).reshape(64, 200)
     assert torch.equal(fn(fused[:, ::2], fused[:, 1::2]), fn(g, u))
