@@ -59,14 +59,14 @@ COMMON = ["checkpoint.every=0", "metrics.tensorboard=false", "progress=false", "
 
 
 # -- child: one run ------------------------------------------------------------------------------------
-def child(run_dir: str, cache_dir: str, overrides: list[str]) -> None:
+def child(run_dir: str, cache_dir: str, overrides: list[str], config_file: str | None = None) -> None:
     import torch
 
     from nemo_rz import config
-    from nemo_rz.runtime.learner import NonFiniteError
+    from nemo_rz.errors import DivergenceError
     from nemo_rz.runtime.trainer import Trainer
 
-    cfg = config.load(None, overrides)
+    cfg = config.load(config_file, overrides)
     cfg.run_dir = run_dir
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     # The warm-up depends on seed, model, task and warm-up settings only.
@@ -78,6 +78,8 @@ def child(run_dir: str, cache_dir: str, overrides: list[str]) -> None:
 
     class CachedWarmupTrainer(Trainer):
         def _warmup(self):
+            if cfg.warmup.steps == 0:  # a pretrained model (e.g. conf/smollm2_arith.yaml): nothing to cache
+                return super()._warmup()
             if cache.is_file():
                 self.model.load_state_dict(torch.load(cache))
                 self.log(f"warm-up: loaded {cache}")
@@ -91,7 +93,7 @@ def child(run_dir: str, cache_dir: str, overrides: list[str]) -> None:
     trainer = CachedWarmupTrainer(cfg, Path(run_dir), log=lambda *a: None)
     try:
         summary = trainer.run()
-    except (NonFiniteError, ValueError, RuntimeError) as e:
+    except (DivergenceError, ValueError, RuntimeError) as e:
         status = {"ok": False, "error": f"{type(e).__name__}: {e}", "at_update": trainer.version}
         summary = {"updates": trainer.version, "max_grad_norm": trainer.max_grad_norm,
                    "is_dev_peak_over_median": trainer.is_dev.ratio,
@@ -218,7 +220,10 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
-        child(argv[1], argv[2], argv[3:])
+        if len(argv) > 4 and argv[3] == "--config":
+            child(argv[1], argv[2], argv[5:], config_file=argv[4])
+        else:
+            child(argv[1], argv[2], argv[3:])
         return 0
     extra = []
     if "--" in argv:
