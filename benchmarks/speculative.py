@@ -33,11 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shapes  # noqa: E402
 
+from nemo_rz.algorithms.aux_loss import padded  # noqa: E402
 from nemo_rz.algorithms.draft import DraftTrainer  # noqa: E402
 from nemo_rz.generation import RolloutEngine, SamplingParams  # noqa: E402
 from nemo_rz.generation.packing import pack  # noqa: E402
 from nemo_rz.generation.speculative import Speculator  # noqa: E402
-from nemo_rz.models.draft import DraftHead, aux_features  # noqa: E402
+from nemo_rz.models.draft import DraftHead, from_spec  # noqa: E402
 
 
 def learner_diff(model, outs) -> int:
@@ -75,9 +76,9 @@ def samples(model, draft, prompts, max_new, chunk=16, seed=0, stop=(), log=print
     data = []
     for i in range(0, len(outs), chunk):
         batch = pack(outs[i : i + chunk])
-        with aux_features(model, draft.aux_layers, final=True) as found, torch.no_grad():
+        with draft.tap(model, final=True) as found, torch.no_grad():
             model.token_logprobs(batch.input_ids, batch.lengths)
-        data.append((batch, *found[0]))
+        data.append((batch, *(padded(x, batch) for x in found[0])))  # the packed forward's rows -> [B * T]
     log(f"  {len(outs)} samples, {sum(len(o.token_ids) for o in outs)} tokens")
     return data
 
@@ -125,8 +126,9 @@ def run_task(args) -> str:
 
     run_dir = tempfile.mkdtemp(prefix="spec-bench-")
     overrides = [f"run_dir={run_dir}", "draft.mode=cotrain", f"algo.updates={args.updates}", "eval.every=0",
-                 "eval.n=50", "checkpoint.every=0", "progress=false", f"draft.k={args.k}", "metrics.tensorboard=false"]
-    cfg = config.load(None, overrides)
+                 "eval.n=50", "checkpoint.every=0", "progress=false", f"draft.k={args.k}", "metrics.tensorboard=false",
+                 f"draft.kind={args.draft_kind}", *args.override]
+    cfg = config.load(args.config, overrides)
     trainer = Trainer(cfg, Path(run_dir), log=lambda *a: None)
     rng = random.Random(12345)
     held_out = [trainer.task.encode_prompt(p.prompt) for p in trainer.task.sample(args.prompts, rng)]
@@ -137,8 +139,7 @@ def run_task(args) -> str:
     data = samples(trainer.model, offline.draft, train_prompts * 4, max_new, chunk=64, stop=stop)
     train_offline(trainer.model, offline, data, args.draft_updates)
     trainer.draft.vocab_pending = False  # the offline draft chose it
-    frozen = DraftHead(trainer.model.config, trainer.draft.draft.aux_layers, len(trainer.draft.draft.layers),
-                       trainer.draft.draft.vocab.numel())
+    frozen = from_spec(trainer.model.config, trainer.draft.draft.worker_spec())
     frozen.load_state_dict(trainer.draft.draft.state_dict())
     trainer.history[trainer.version] = trainer.learner.weights(trainer.version)  # version 0 ships the trained draft
     snaps = {0: trainer.history[trainer.version]}
@@ -156,7 +157,7 @@ def run_task(args) -> str:
     for v, bundle in sorted(snaps.items()):
         model = Decoder(trainer.model.config).eval()
         model.load_state_dict(bundle.policy)
-        cotrained = DraftHead(model.config, frozen.aux_layers, len(frozen.layers), frozen.vocab.numel())
+        cotrained = from_spec(model.config, frozen.worker_spec())
         cotrained.load_state_dict(bundle.parts["draft"])
         for bs in args.batch_sizes:
             prompts = held_out[: args.prompts if bs > 1 else max(args.prompts // 4, 4)]
@@ -167,7 +168,8 @@ def run_task(args) -> str:
     est = [(m["update"], m.get("draft_accept_rate"), m.get("draft_loss")) for m in metrics if m["update"] % args.every == 0]
     lines = ["", "Per-update co-training numbers (estimated on the RL batch): update, acceptance, draft loss: "
              + "; ".join(f"{u}: {a:.2f}, {n:.2f}" for u, a, n in est)]
-    title = (f"### Speculative rollouts, default task ({datetime.date.today()}): tiny model, k={args.k}, "
+    title = (f"### Speculative rollouts, default task ({datetime.date.today()}): {args.config or 'tiny model'}, "
+             f"draft.kind={args.draft_kind}, k={args.k}, "
              f"max_new_tokens={max_new}, {args.prompts} held-out prompts (batch 1: {max(args.prompts // 4, 4)})")
     return table(rows, title) + "\n".join(lines)
 
@@ -287,6 +289,10 @@ def main() -> None:
     t.add_argument("--every", type=int, default=50)
     t.add_argument("--draft-updates", type=int, default=100)
     t.add_argument("--prompts", type=int, default=64)
+    t.add_argument("--config", help="a preset (conf/NAME.yaml, e.g. deepseek_tiny) in place of the default job")
+    t.add_argument("--draft-kind", choices=("eagle", "mtp"), default="eagle",
+                   help="draft.kind: an EAGLE-3 head, or the model's multi-token-prediction layers (fresh for a fresh model)")
+    t.add_argument("--override", nargs="*", default=[], help="more key=value config overrides")
     m = sub.add_parser("model")
     shapes.add_arguments(m)
     m.add_argument("--draft-updates", type=int, default=60)

@@ -169,6 +169,8 @@ def test_checkpoints_without_mtp_layers_are_refused_in_one_line(ckpt, tmp_path):
     draft = typed(load("deepseek_tiny", ["draft.mode=cotrain", "draft.kind=mtp", f"model.hf_path={plain}"])).draft
     with pytest.raises(ValueError, match="no multi-token-prediction layers"):
         build_mtp(draft, "cotrain", model, str(plain), "builtin")
+    frozen = build_mtp(draft, "frozen", model, str(path), "builtin")  # the control: a checkpoint with the layer
+    assert torch.equal(frozen.layers[0].hnorm.weight, tensors[f"model.layers.{LAYERS}.hnorm.weight"])
     with pytest.raises(ValueError, match="the megatron learner does not tap"):
         build_mtp(draft, "cotrain", model, str(path), "megatron")
     broken = tmp_path / "broken"
