@@ -57,7 +57,7 @@ def hf_root(tmp_path_factory):
 
 
 def _ids() -> torch.Tensor:
-    return torch.randint(0, BASE["vocab_size"], (2, 150), generator=torch.Generator().manual_seed(1))
+    return torch.randint(0, BASE["vocab_size"], (2, 130), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
