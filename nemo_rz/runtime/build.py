@@ -90,7 +90,8 @@ def build_model(m: schema.ModelSection, tok: Tokenizer) -> Decoder:
         num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
     )
     extra = dict(m.extra or {})
-    clash = sorted(set(extra) & set(keys))
+    # layer_types may come from extra (a hybrid's linear layers) when the section derives none from its windows
+    clash = sorted(k for k in set(extra) & set(keys) if not (k == "layer_types" and keys[k] is None))
     if clash:
         raise ValueError(f"model.extra.{clash[0]}: the model section sets it; use model.{clash[0]} instead")
     return Decoder(DecoderConfig.from_dict({**keys, **extra}))
