@@ -56,6 +56,9 @@ def test_rows_mm_reads_bf16_with_the_gemm_route_bits(k, n):
     assert gemm.rows_verified(k, n, route, torch.bfloat16)
     if k > cpu_kernels.MKL_BLOCK:
         assert not torch.equal(cpu_kernels.rows_mm(x, w, block=256), reference)
+    if k > min(cpu_kernels.BLOCKS.values()):  # the AVX-512 and AVX2 block rules cut such a K apart
+        other = cpu_kernels.AVX2 if cpu_kernels.MKL_ORDER == cpu_kernels.AVX512 else cpu_kernels.AVX512
+        assert not torch.equal(cpu_kernels.rows_mm(x, w, order=other), reference)
 
 
 @needs_cpp
@@ -88,7 +91,7 @@ def test_probe_rejects_a_reordered_kernel(monkeypatch, tmp_path):
     monkeypatch.setenv("NEMO_RZ_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(verified, "_RESULTS", {})
     real = cpu_kernels.rows_mm
-    monkeypatch.setattr(cpu_kernels, "rows_mm", lambda x, w_t, block=cpu_kernels.MKL_BLOCK, simd=True: real(x, w_t, 256))
+    monkeypatch.setattr(cpu_kernels, "rows_mm", lambda x, w_t, block=None, simd=True: real(x, w_t, 256))
     assert not gemm.rows_verified(576, 1536, _route(576, 1536), torch.bfloat16)
 
 

@@ -22,6 +22,8 @@ from nemo_rz.ops.verified import one_thread
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152), (64, 48), (385, 17), (1000, 333), (896, 4864)]
 
 needs_cpp = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler here")
+# the block rule of the other CPU kind's MKL path (matvec.cpp): what this machine's MKL does not do
+_OTHER = cpu_kernels.AVX2 if cpu_kernels.MKL_ORDER == cpu_kernels.AVX512 else cpu_kernels.AVX512
 
 
 def _case(k: int, n: int, rows: int = 8):
@@ -93,16 +95,20 @@ def test_negative_control_other_orders_differ(k, n):
         assert not torch.equal(torch.mm(x, w_t), reference)
         for block in (64, 128, 256, k):
             assert not torch.equal(cpu_kernels.matvec(x, w_t, block=block), reference), block
+        # the block rule of the other CPU kind's MKL code path (AVX-512 vs AVX2) is another order too
+        assert not torch.equal(cpu_kernels.matvec(x, w_t, order=_OTHER), reference)
 
 
 @needs_cpp
-def test_negative_control_probe_rejects_reordered_kernel(monkeypatch, tmp_path):
-    """A kernel in another order (256-row blocks) fails the probe, and ops.linear keeps the padded GEMM."""
+@pytest.mark.parametrize("other", [{"block": 256}, {"order": _OTHER}], ids=["block256", "other_cpu_kind"])
+def test_negative_control_probe_rejects_reordered_kernel(monkeypatch, tmp_path, other):
+    """A kernel in another order (256-row blocks; the rule of the other CPU kind's MKL path, as the AVX-512 rule
+    is on an AVX2-only CPU) fails the probe, and ops.linear keeps the padded GEMM, row-invariant."""
     k, n = 576, 1536
     _fresh_cache(monkeypatch, tmp_path)  # (so that the probe runs, not a stored answer)
-    monkeypatch.setattr(cpu_kernels, "build_tag", lambda: "reordered-256")
+    monkeypatch.setattr(cpu_kernels, "build_tag", lambda: f"reordered-{other}")
     matvec = cpu_kernels.matvec
-    monkeypatch.setattr(cpu_kernels, "matvec", lambda x, w_t: matvec(x, w_t, block=256))
+    monkeypatch.setattr(cpu_kernels, "matvec", lambda x, w_t: matvec(x, w_t, **other))
     assert not gemm.matvec_verified(k, n, _route(k, n))
     x, weight = _case(k, n, rows=8)
     assert torch.equal(ops.linear(x[:1], weight), ops.linear(x, weight)[:1])
@@ -128,7 +134,7 @@ def test_the_answer_is_kept_on_disk_and_checked_on_load(monkeypatch, tmp_path, c
     route = _route(k, n)
     calls = []
     matvec = cpu_kernels.matvec
-    monkeypatch.setattr(cpu_kernels, "matvec", lambda x, w_t, block=cpu_kernels.MKL_BLOCK: calls.append(1) or matvec(x, w_t, block))
+    monkeypatch.setattr(cpu_kernels, "matvec", lambda x, w_t, block=None: calls.append(1) or matvec(x, w_t, block))
     assert gemm.matvec_verified(k, n, route) and len(calls) == gemm.MATVEC_PROBE_ROWS
     stored = json.loads(next(tmp_path.glob("probes-*.json")).read_text())["entries"]
     assert [v for name, v in stored.items() if json.loads(name)[0] == "matvec"] == [True]

@@ -8,8 +8,9 @@ beside it: no cpp_extension import, no ninja run). No compiler, a failed build o
 `available()` is False (with one warning line for a failed build) and callers keep their pure-torch route.
 
 - `matvec(x, w_t)`: x [1, K] @ w_t [K, N] (float32, w_t contiguous) in a fixed order (matvec.cpp), which is the
-  order MKL's single-thread GEMM gives each row of a product of two or more rows here. Whether it is, on a given
-  machine and shape, is for the caller to probe (ops/gemm.py does).
+  order MKL's single-thread GEMM gives each row of a product of two or more rows on this CPU's kind: MKL cuts K
+  into blocks by one rule on AVX-512 and another on AVX2 (MKL_ORDER, from the CPU's flags). Whether it is, on a
+  given machine and shape, is for the caller to probe (ops/gemm.py does).
 - `rows_mm(x, w_t)`: x [M, K] float32 @ w_t [K, N] (float32 or bfloat16, contiguous) with every row in that same
   order, whatever M: a bfloat16 weight is read as it is stored (half the bytes of a float32 copy) and gives the
   bits of its exact float32 widening; rows share each pass over the weight, up to 8 at a time.
@@ -32,7 +33,8 @@ import torch
 
 from nemo_rz import atomic
 
-MKL_BLOCK = 384  # rows of w_t per accumulator block in MKL's order (matvec.cpp's rule)
+AVX512, AVX2 = 0, 1  # matvec.cpp's block rules: the orders MKL's sgemm takes on those code paths
+BLOCKS = {AVX512: 384, AVX2: 192}  # rows of w_t per accumulator block in each rule
 _SOURCES = ("matvec.cpp", "attention.cpp")
 _MARK = "built.sha256"  # written after a finished build: the digest of the library it left
 _FLAGS = ("-O3", "-march=native", "-std=c++17")
@@ -54,6 +56,15 @@ def _cpu_id() -> str:
     except OSError:
         pass
     return platform.machine() + "".join(lines)
+
+
+def _mkl_order() -> int:
+    """The block rule of the code path MKL takes here: AVX-512 where the CPU has it (avx512f), else AVX2."""
+    return AVX512 if " avx512f" in _cpu_id() else AVX2
+
+
+MKL_ORDER = _mkl_order()
+MKL_BLOCK = BLOCKS[MKL_ORDER]  # rows of w_t per accumulator block in this machine's order
 
 
 def _build_dir() -> tuple[str, Path]:
@@ -139,17 +150,22 @@ def available() -> bool:
     return build_tag() is not None
 
 
-def matvec(x: torch.Tensor, w_t: torch.Tensor, block: int = MKL_BLOCK, simd: bool = True) -> torch.Tensor:
-    """x [1, K] @ w_t [K, N] -> [1, N], float32 on CPU, in matvec.cpp's fixed order with `block`-row
-    blocks (another block size is another order); simd=False runs the scalar loop that CPUs without AVX-512
-    run. Call only where `available()`."""
-    return torch.ops.nemo_rz_cpu.matvec(x, w_t, block, simd)
+def matvec(x: torch.Tensor, w_t: torch.Tensor, block: int | None = None, simd: bool = True,
+           order: int | None = None) -> torch.Tensor:
+    """x [1, K] @ w_t [K, N] -> [1, N], float32 on CPU, in matvec.cpp's fixed order: rule `order` (AVX512 or
+    AVX2; default MKL_ORDER) with `block`-row blocks (default that rule's BLOCKS entry; another size is another
+    order); simd=False runs the scalar loop that CPUs without AVX-512 run. Call only where `available()`."""
+    order = MKL_ORDER if order is None else order
+    return torch.ops.nemo_rz_cpu.matvec(x, w_t, BLOCKS[order] if block is None else block, simd, order)
 
 
-def rows_mm(x: torch.Tensor, w_t: torch.Tensor, block: int = MKL_BLOCK, simd: bool = True) -> torch.Tensor:
+def rows_mm(x: torch.Tensor, w_t: torch.Tensor, block: int | None = None, simd: bool = True,
+            order: int | None = None) -> torch.Tensor:
     """x [M, K] float32 @ w_t [K, N] (float32 or bfloat16) -> [M, N] float32 on CPU, each row in matvec's order
-    (the bits of matvec on that row and w_t widened to float32). Call only where `available()`."""
-    return torch.ops.nemo_rz_cpu.rows_mm(x, w_t, block, simd)
+    (the bits of matvec on that row and w_t widened to float32; `block` and `order` as there). Call only where
+    `available()`."""
+    order = MKL_ORDER if order is None else order
+    return torch.ops.nemo_rz_cpu.rows_mm(x, w_t, BLOCKS[order] if block is None else block, simd, order)
 
 
 def attention_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_idx: torch.Tensor,

@@ -1,10 +1,13 @@
 // One row times a contiguous [K, N] float32 matrix, in the order MKL's single-thread sgemm gives every row of
-// an M >= 2 product on AVX-512 (found by comparing against it; nemo_rz admits this kernel for a shape only after
-// a probe shows it bit-equal to the GEMM route there):
-//   K is cut into blocks of `block` (384) rows of the matrix, except that the last two blocks share what remains
-//   above 2 * block evenly (the first of them gets the odd one); K <= block is one block.
-//   Each output column sums its block with FMAs in k order, starting from 0, in its own accumulator.
-//   The column's result is the first block's sum, then plus each next block's sum (one rounding each).
+// an M >= 2 product (found by comparing against it; nemo_rz admits this kernel for a shape only after a probe
+// shows it bit-equal to the GEMM route there). MKL cuts K into blocks by a rule that depends on the code path it
+// dispatches to; `order` picks one (block_starts):
+//   0, AVX-512 (block 384): blocks of `block` rows of the matrix, except that the last two blocks share what
+//      remains above 2 * block evenly (the first of them gets the odd one); K <= block is one block.
+//   1, AVX2 (block 192): a block size kc = K where K <= block, floor(K / 2) where K <= 2 * block, else block;
+//      blocks of kc from k = 0, what remains (fewer than kc rows) the last block.
+// Each output column sums its block with FMAs in k order, starting from 0, in its own accumulator.
+// The column's result is the first block's sum, then plus each next block's sum (one rounding each).
 // The AVX-512 and the scalar std::fmaf paths give the same bits (an FMA is correctly rounded either way).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,9 +25,18 @@
 
 namespace {
 
-std::vector<int64_t> block_starts(int64_t K, int64_t block) {
+std::vector<int64_t> block_starts(int64_t K, int64_t block, int64_t order) {
   std::vector<int64_t> b{0};
   int64_t s = 0;
+  if (order == 1) {
+    const int64_t kc = K <= block ? K : K <= 2 * block ? K / 2 : block;
+    while (K - s > kc) {
+      s += kc;
+      b.push_back(s);
+    }
+    b.push_back(K);
+    return b;
+  }
   while (K - s > 2 * block) {
     s += block;
     b.push_back(s);
@@ -68,9 +80,8 @@ void block_sum(const float* x, const float* w, int64_t ld, int64_t s, int64_t e,
 }
 
 // y[j0:j1] for the columns j0..j1 of w [K, ld].
-void columns(const float* x, const float* w, float* y, int64_t K, int64_t ld, int64_t block, bool simd, int64_t j0,
-             int64_t j1) {
-  const std::vector<int64_t> b = block_starts(K, block);
+void columns(const float* x, const float* w, float* y, int64_t K, int64_t ld, const std::vector<int64_t>& b,
+             bool simd, int64_t j0, int64_t j1) {
   const int64_t n = j1 - j0;
   std::vector<float> acc(n);
   for (size_t i = 0; i + 1 < b.size(); ++i) {
@@ -82,13 +93,18 @@ void columns(const float* x, const float* w, float* y, int64_t K, int64_t ld, in
   }
 }
 
-at::Tensor matvec(const at::Tensor& x, const at::Tensor& w_t, int64_t block, bool simd) {
+void check_order(int64_t block, int64_t order, const char* op) {
+  TORCH_CHECK(block > 0, "nemo_rz ", op, ": block must be positive, got ", block);
+  TORCH_CHECK(order == 0 || order == 1, "nemo_rz ", op, ": order must be 0 (AVX-512 rule) or 1 (AVX2 rule), got ", order);
+}
+
+at::Tensor matvec(const at::Tensor& x, const at::Tensor& w_t, int64_t block, bool simd, int64_t order) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && w_t.dim() == 2 && x.size(1) == w_t.size(0),
               "nemo_rz matvec: x must be [1, K] and w_t [K, N], got ", x.sizes(), " and ", w_t.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat && w_t.scalar_type() == at::kFloat && x.device().is_cpu() && w_t.device().is_cpu(),
               "nemo_rz matvec: float32 CPU tensors only");
   TORCH_CHECK(w_t.is_contiguous(), "nemo_rz matvec: w_t must be contiguous");
-  TORCH_CHECK(block > 0, "nemo_rz matvec: block must be positive");
+  check_order(block, order, "matvec");
   const at::Tensor xc = x.contiguous();
   const int64_t K = w_t.size(0), N = w_t.size(1);
   at::Tensor y = at::empty({1, N}, x.options());
@@ -100,9 +116,10 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& w_t, int64_t block, boo
     return y;
   }
   // Columns are independent: threads split them in whole 16-column steps without changing a bit.
+  const std::vector<int64_t> starts = block_starts(K, block, order);
   const int64_t steps = (N + 15) / 16;
   at::parallel_for(0, steps, 256, [&](int64_t a, int64_t b) {
-    columns(xp, wp, yp, K, N, block, simd, a * 16, std::min(N, b * 16));
+    columns(xp, wp, yp, K, N, starts, simd, a * 16, std::min(N, b * 16));
   });
   return y;
 }
@@ -220,8 +237,9 @@ void rows_group(const float* x, int64_t ldx, int64_t R, const W* w, int64_t ldw,
 }
 
 template <typename W>
-void rows_mm_impl(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t block, bool simd) {
-  const std::vector<int64_t> b = block_starts(K, block);
+void rows_mm_impl(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t block, bool simd,
+                  int64_t order) {
+  const std::vector<int64_t> b = block_starts(K, block, order);
   const int64_t chunks = (N + COLS - 1) / COLS;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> acc(ROWS * COLS);
@@ -233,29 +251,29 @@ void rows_mm_impl(const float* x, const W* w, float* y, int64_t M, int64_t K, in
   });
 }
 
-at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w_t, int64_t block, bool simd) {
+at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w_t, int64_t block, bool simd, int64_t order) {
   TORCH_CHECK(x.dim() == 2 && w_t.dim() == 2 && x.size(1) == w_t.size(0),
               "nemo_rz rows_mm: x must be [M, K] and w_t [K, N], got ", x.sizes(), " and ", w_t.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat && (w_t.scalar_type() == at::kFloat || w_t.scalar_type() == at::kBFloat16)
               && x.device().is_cpu() && w_t.device().is_cpu(),
               "nemo_rz rows_mm: x must be float32 and w_t float32 or bfloat16, on CPU");
   TORCH_CHECK(w_t.is_contiguous(), "nemo_rz rows_mm: w_t must be contiguous");
-  TORCH_CHECK(block > 0, "nemo_rz rows_mm: block must be positive");
+  check_order(block, order, "rows_mm");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = w_t.size(0), N = w_t.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
   if (w_t.scalar_type() == at::kFloat)
-    rows_mm_impl(xc.data_ptr<float>(), w_t.data_ptr<float>(), y.data_ptr<float>(), M, K, N, block, simd);
+    rows_mm_impl(xc.data_ptr<float>(), w_t.data_ptr<float>(), y.data_ptr<float>(), M, K, N, block, simd, order);
   else
-    rows_mm_impl(xc.data_ptr<float>(), w_t.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, K, N, block, simd);
+    rows_mm_impl(xc.data_ptr<float>(), w_t.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, K, N, block, simd, order);
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(nemo_rz_cpu, m) {
-  m.def("matvec(Tensor x, Tensor w_t, int block, bool simd) -> Tensor", &matvec);
-  m.def("rows_mm(Tensor x, Tensor w_t, int block, bool simd) -> Tensor", &rows_mm);
+  m.def("matvec(Tensor x, Tensor w_t, int block, bool simd, int order) -> Tensor", &matvec);
+  m.def("rows_mm(Tensor x, Tensor w_t, int block, bool simd, int order) -> Tensor", &rows_mm);
 }
