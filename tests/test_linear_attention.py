@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from conftest import count_diff
@@ -143,6 +145,11 @@ def test_refusals_and_state_size(model):
     assert all(t.dtype == torch.float32 for t in cache.linear[0].tensors())
     with pytest.raises(ValueError, match="linear_num_value_heads=3 is not a multiple"):
         DecoderConfig(**{**cfg.to_dict(), "linear_num_value_heads": 3})
+    if importlib.util.find_spec("vllm") is not None:  # refused before any vLLM engine starts
+        from nemo_rz.generation.vllm import VLLMRolloutEngine
+
+        with pytest.raises(ValueError, match="linear-attention .* no recurrent-state cache in the vLLM backend"):
+            VLLMRolloutEngine(model, multiprocess=False)
 
 
 def test_hybrid_tiny_preset_trains_with_zero_kernel_mismatch(tmp_path):
