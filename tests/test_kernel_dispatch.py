@@ -14,7 +14,7 @@ import contextlib  # noqa: E402
 import importlib  # noqa: E402
 
 import torch  # noqa: E402
-from conftest import count_diff, tiny_model  # noqa: E402
+from conftest import count_diff, skip_unless_dot_row_invariant, tiny_model  # noqa: E402
 
 from nemo_rz import kernels, ops  # noqa: E402
 from nemo_rz.generation import RolloutEngine, SamplingParams  # noqa: E402
@@ -49,6 +49,9 @@ def test_decoder_on_kernels_agrees_with_torch_path_and_stays_mismatch_free(gpu_d
     assert (on_kernels - on_torch).abs().max() < 1e-4
     for mod in OP_MODULES:
         mod.on_gpu_kernels = lambda x: consistent()
+    from nemo_rz.kernels.matmul import tile_config
+
+    skip_unless_dot_row_invariant(tile_config(torch.float32, 64, 64))  # (the agreement above still ran)
     outs = RolloutEngine(model, max_batch_size=4).generate([[1, 2, 3], [4] * 9, [5, 6]], SamplingParams(6, seed=1))
     assert count_diff(model, outs)[0] == 0  # the kernels are batch-invariant on their own
 

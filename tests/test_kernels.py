@@ -16,6 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+from conftest import interpreter_dot_row_invariant, skip_unless_dot_row_invariant  # noqa: E402
 
 from nemo_rz import kernels  # noqa: E402
 from nemo_rz.kernels import window_start  # noqa: E402
@@ -49,39 +50,6 @@ def rows_identical(fn, x, subsets):
     """fn(x[idx]) row i == fn(x)[idx[i]] bitwise, for every index list idx in subsets."""
     full = fn(x)
     return all(torch.equal(fn(x[idx]), full[idx]) for idx in subsets)
-
-
-def interpreter_dot_row_invariant(block_m, block_k, block_n):
-    """Under the interpreter tl.dot is numpy's matmul (its BLAS: OpenBLAS in numpy's wheels) on the tile, plus
-    the accumulator. Does that give a row of a [block_m, block_k] @ [block_k, block_n] float32 tile the same bits
-    at any position and whatever the tile's other rows (the zeros of masked rows included)? Not on every CPU:
-    OpenBLAS's AVX2 kernels do not (AMD EPYC here). A GPU's dot is the kernel's own (True)."""
-    if not INTERPRET:
-        return True
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((block_m, block_k), dtype=np.float32)
-    b = rng.standard_normal((block_k, block_n), dtype=np.float32)
-    full = np.matmul(a, b)
-    perm = rng.permutation(block_m)
-    if not np.array_equal(np.matmul(a[perm], b), full[perm]):
-        return False
-    for i in range(0, block_m, 7):
-        for at in (0, block_m - 1):
-            alone = np.zeros_like(a)
-            alone[at] = a[i]
-            if not np.array_equal(np.matmul(alone, b)[at], full[i]):
-                return False
-    return True
-
-
-def skip_unless_dot_row_invariant(cfg):
-    if not interpreter_dot_row_invariant(cfg.block_m, cfg.block_k, cfg.block_n):
-        pytest.skip(f"interpreter artefact: numpy's matmul (tl.dot here) gives a row of a {cfg.block_m}x{cfg.block_k}"
-                    f" @ {cfg.block_k}x{cfg.block_n} float32 tile other bits by its position and the tile's other rows"
-                    " on this CPU, so no kernel's row invariance can be seen here (it is checked on a GPU or where"
-                    " numpy's BLAS is row-invariant)")
 
 
 def test_interpreter_dot_check_sees_a_row_dependent_dot(monkeypatch):

@@ -7,13 +7,14 @@ invariance in consistent mode), a learner at another precision, a stale weight c
 """
 import functools
 import os
+from types import SimpleNamespace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported (as tests/test_kernels.py)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from conftest import count_diff, tiny_model  # noqa: E402
+from conftest import count_diff, skip_unless_dot_row_invariant, tiny_model  # noqa: E402
 
 from nemo_rz import ops  # noqa: E402
 from nemo_rz.generation import RolloutEngine, SamplingParams  # noqa: E402
@@ -380,6 +381,10 @@ def test_kernel_dequantizes_in_the_tile_like_the_torch_side(recipe):
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_kernel_rows_do_not_depend_on_the_batch(recipe):
     quant_linear = _kernel()
+    from nemo_rz.kernels.quant_matmul import tile_config
+
+    bm, bn, bk = tile_config(96, 256)
+    skip_unless_dot_row_invariant(SimpleNamespace(block_m=bm, block_n=bn, block_k=bk))
     torch.manual_seed(2)
     x, q = torch.randn(70, 256), quantize(torch.randn(96, 256), recipe, "weight")
     full = quant_linear(quantize(x, recipe, "activation"), q)
