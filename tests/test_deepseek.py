@@ -46,17 +46,21 @@ VARIANTS = {
 
 
 @functools.cache
-def _hf_dir(variant: str, root) -> str:
-    cfg = transformers.DeepseekV3Config(**{**BASE, **VARIANTS[variant]})
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # non-trivial values everywhere, the selection bias included
+def randomized(model, g: torch.Generator) -> None:
+    """Non-trivial values everywhere in a transformers DeepSeek-V3 model, the selection bias included."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             scale = 0.5 if name.endswith("bias") else 0.15
             p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + scale * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def _hf_dir(variant: str, root) -> str:
+    cfg = transformers.DeepseekV3Config(**{**BASE, **VARIANTS[variant]})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+    randomized(model, torch.Generator().manual_seed(0))
     path = root / variant
     model.save_pretrained(path)
     return str(path)

@@ -22,6 +22,7 @@ import torch
 from conftest import count_diff
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_deepseek import randomized
 
 from nemo_rz import ops
 from nemo_rz.algorithms import group_advantages
@@ -48,15 +49,6 @@ BASE = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediat
                                  mscale=1.0, mscale_all_dim=0.7))
 
 
-def _randomized(model, g):
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale = 0.5 if name.endswith("bias") else 0.15
-            p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + scale * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -67,7 +59,7 @@ def ckpt(tmp_path_factory):
         transformers.DeepseekV3Config(**BASE, num_hidden_layers=LAYERS + 1), attn_implementation="eager",
         dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
-    _randomized(full, g)
+    randomized(full, g)
     full.save_pretrained(root / "full")
     tensors = load_file(root / "full" / "model.safetensors")
     h, v, m = BASE["hidden_size"], BASE["vocab_size"], f"model.layers.{LAYERS}"

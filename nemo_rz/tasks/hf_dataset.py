@@ -17,11 +17,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from nemo_rz.tasks.base import Problem, Task, use_chat
-from nemo_rz.tasks.jsonl import _char_tokenizer, _messages, _short, _split, _without_heldout
+from nemo_rz.tasks.base import Problem, Task
+from nemo_rz.tasks.jsonl import _messages, _short, _split, _without_heldout, finished_task
 from nemo_rz.tasks.options import Range, checked_by, limits
 from nemo_rz.tasks.tokenizer import Tokenizer
-from nemo_rz.tasks.verifiers import VERIFIERS, check_answer
+from nemo_rz.tasks.verifiers import VERIFIERS
 
 FORMATS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
 EXTRACTORS = ("gsm8k", "boxed", "none")
@@ -174,13 +174,5 @@ def hf_dataset_task(path: str | None = None, split: str = "train", prompt_field:
         train = _without_heldout(problems, heldout, path, eval_path or f"{path} ({eval_split})")
     else:
         train, heldout = _split(problems, path, seed, heldout_fraction)
-    for p in train + heldout:
-        try:
-            check_answer(verifier, p.answer)
-        except ValueError as e:
-            raise ValueError(f"{p.where}: field {answer_field!r}: {e}") from None
-    tokenizer = tokenizer or _char_tokenizer(train + heldout)
-    chat = use_chat(tokenizer, chat_template)
-    task = Task(name or f"hf_dataset:{path}", train, heldout, tokenizer, VERIFIERS[verifier], require_eos, chat, system_prompt)
-    task.validate()
-    return task
+    return finished_task(name or f"hf_dataset:{path}", train, heldout, verifier, tokenizer, chat_template, require_eos,
+                         system_prompt, answer_field)

@@ -244,13 +244,22 @@ def jsonl_task(path: str | None = None, verifier: str = "exact", seed: int = 0, 
         train = _without_heldout(problems, heldout, path, heldout_path)
     else:
         train, heldout = _split(problems, path, seed, heldout_fraction)
+    return finished_task(name or f"jsonl:{path}", train, heldout, verifier, tokenizer, chat_template, require_eos,
+                         system_prompt)
+
+
+def finished_task(name, train, heldout, verifier, tokenizer, chat_template, require_eos, system_prompt,
+                  answer_field: str = "") -> Task:
+    """The Task of loaded problems: every answer checked against the verifier (one line naming the problem's
+    place, and `answer_field` where the data names its fields), the character tokenizer of the text unless one is
+    given, and its text checked against the tokenizer."""
     for p in train + heldout:
         try:
             check_answer(verifier, p.answer)
         except ValueError as e:
-            raise ValueError(f"{p.where}: {e}") from None
+            raise ValueError(f"{p.where}: " + (f"field {answer_field!r}: " if answer_field else "") + str(e)) from None
     tokenizer = tokenizer or _char_tokenizer(train + heldout)
     chat = use_chat(tokenizer, chat_template)
-    task = Task(name or f"jsonl:{path}", train, heldout, tokenizer, VERIFIERS[verifier], require_eos, chat, system_prompt)
+    task = Task(name, train, heldout, tokenizer, VERIFIERS[verifier], require_eos, chat, system_prompt)
     task.validate()  # text the tokenizer cannot encode, messages without chat: refused before any model is loaded
     return task
