@@ -189,13 +189,16 @@ def _rope(d: dict, source: str, fam, model_type: str) -> tuple[float, dict | Non
 
 
 # -- per-layer structure -------------------------------------------------------------------------------------
+WINDOW_TYPES = ("full_attention", "sliding_attention")  # the layer types of the windowed families' configs
+
+
 def _layer_types(d: dict, source: str, layers: int, default: list[str]) -> list[str]:
     types = d.get("layer_types")
     if types is None:
         return default
-    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+    if not isinstance(types, list) or len(types) != layers or any(t not in WINDOW_TYPES for t in types):
         raise ModelFileError(
-            f"'layer_types' in {source} is {types!r}: expected one of {', '.join(LAYER_TYPES)} per layer ({layers}); "
+            f"'layer_types' in {source} is {types!r}: expected one of {', '.join(WINDOW_TYPES)} per layer ({layers}); "
             "fix config.json"
         )
     return types
