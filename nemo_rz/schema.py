@@ -206,8 +206,9 @@ SCHEMA: dict[str, Key] = {
     "lora.rank": Int(0, fixed=True, why="0 = no adapters"),
     "lora.alpha": Positive(fixed=True),
     "lora.rslora": Bool(fixed=True),
-    "lora.modules": Str(fixed=True, why="all, attention, mlp, or comma-separated q_proj,k_proj,v_proj,o_proj,gate_proj,"
-                        "up_proj,down_proj (nemo_rz.models.lora)"),
+    "lora.modules": Str(fixed=True, why="all, attention, mlp, experts, or comma-separated q_proj,k_proj,v_proj,o_proj,"
+                        "gate_proj,up_proj,down_proj,experts.gate_up_proj,experts.down_proj (nemo_rz.models.lora)"),
+    "lora.expert_a": Choice(("per_expert", "shared"), fixed=True, why="MoE experts: an A per expert, or one shared (B per expert)"),
     "lora.init_from": Str(optional=True, null_means="for a fresh adapter (B = 0)", fixed=True),
     "eval.every": Int(0, why="0 = only at the end"),
     "eval.n": Int(1),
@@ -618,20 +619,28 @@ def _lora_dims(shape: Shape) -> dict[str, tuple[str, int, int]]:
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv * shape.head_dim
     return {"q_proj": ("attention", h, q), "k_proj": ("attention", h, kv), "v_proj": ("attention", h, kv),
             "o_proj": ("attention", q, h), "gate_proj": ("mlp", h, shape.inter), "up_proj": ("mlp", h, shape.inter),
-            "down_proj": ("mlp", shape.inter, h)}
+            "down_proj": ("mlp", shape.inter, h), "experts.gate_up_proj": ("experts", h, 2 * shape.moe_inter),
+            "experts.down_proj": ("experts", shape.moe_inter, h)}
 
 
 def lora_params(lora: dict, shape: Shape) -> int:
-    """The adapter's parameter count, rank x (in + out features) per adapted linear layer (0 for lora.rank = 0);
-    a lower bound: the layers of an MoE model's MLPs count only as much as a model without dense MLPs has (none)."""
+    """The adapter's parameter count, rank x (in + out features) per adapted linear layer and, on an MoE model, per
+    expert (one A for all with lora.expert_a = shared; 0 for lora.rank = 0); a lower bound: the layers of an MoE
+    model's MLPs count only as much as a model without dense MLPs has (none)."""
     rank = lora.get("rank") or 0
     if rank <= 0:
         return 0
     dims = _lora_dims(shape)
-    modules = str(lora.get("modules", "all"))
-    names = [n for n, (group, _, _) in dims.items() if modules in ("all", group)] if modules in ("all", "attention", "mlp") \
-        else [n.strip() for n in modules.split(",") if n.strip() in dims]
-    per_layer = sum(rank * (dims[n][1] + dims[n][2]) for n in names if not (shape.experts and dims[n][0] == "mlp"))
+    names = set()
+    for n in (m.strip() for m in str(lora.get("modules", "all")).split(",")):
+        names |= {k for k, (group, _, _) in dims.items() if n in ("all", group)} | ({n} & set(dims))
+    per_layer = 0
+    for n in names:
+        group, n_in, n_out = dims[n]
+        if group == "experts" and shape.experts:
+            per_layer += rank * (shape.experts * n_out + n_in * (1 if lora.get("expert_a") == "shared" else shape.experts))
+        elif group != "experts" and not (shape.experts and group == "mlp"):
+            per_layer += rank * (n_in + n_out)
     return shape.layers * per_layer
 
 

@@ -18,10 +18,29 @@ scale = alpha / r, or alpha / sqrt(r) with rsLoRA. Dropout is 0. A starts as PEF
 sqrt(5)), B at zero, so a fresh adapter leaves the model's outputs unchanged.
 
 `lora.modules` names the targets by their Hugging Face module names (q_proj, k_proj, v_proj, o_proj, gate_proj,
-up_proj, down_proj, comma-separated) or a group: attention, mlp, all. MoE experts are not adapted.
+up_proj, down_proj, experts.gate_up_proj, experts.down_proj, comma-separated) or a group: attention, mlp, experts
+(both expert products), all (all of them; on a dense model the experts match nothing).
+
+MoE experts (Qwen3-MoE, Qwen2-MoE, DeepSeek-V3's routed experts, gpt-oss; quantized or not): each targeted expert
+product (the stacked `experts.gate_up_proj` / `experts.down_proj` weights) gets `lora_A.weight` [E, r, in] and
+`lora_B.weight` [E, out, r] (expert e's A and B), or with lora.expert_a = shared one A [r, in] for every expert and B
+per expert, under `...mlp.experts.adapters.gate_up_proj.lora_A.weight`. A (token, expert) row takes the same
+schedule as a dense layer's, its products through the experts' row-invariant ones (ops.expert_linear; a shared A
+through ops.linear), so its bits depend on the row and its expert alone (`expert_adapter_product`):
+
+    t = ops.expert_linear(float32(rows), experts, A^T)     float32 [M, r]   (shared A: ops.linear(float32(rows), A))
+    t = compute_dtype(t * scale)                           one rounding, to the compute dtype
+    u = ops.expert_linear(float32(t), experts, B^T)        float32 [M, out]
+    y = product(rows) + compute_dtype(u)                   the addition in the compute dtype
+
+The experts call it through their product hook (models/moe.py `adapted`); a precision recipe's quantized experts
+hand it the rows before quantization, as a LoRA hook on a QuantizedLinear sees its input.
 
 PEFT adapter directories (adapter_config.json, adapter_model.safetensors) load (`load_peft`) and save
-(`save_peft`) as peft writes them.
+(`save_peft`) as peft writes them; experts as peft's `target_parameters` (one ParamWrapper per targeted stacked
+weight, nested in the module's parameter order: `experts.base_layer.lora_A.weight` is gate_up_proj's when both
+are targeted; A [E * r, in] with expert e's rows at e * r, B [out, r * E] with expert e's column j at j * E + e).
+A shared A is saved replicated per expert (peft has no shared A), so it loads back per expert.
 """
 from __future__ import annotations
 
@@ -38,7 +57,10 @@ from nemo_rz.models.layers import forward_layout
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
-GROUPS = {"attention": ATTENTION, "mlp": MLP, "all": ATTENTION + MLP}
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # the experts' stacked weights, in their parameter order
+EXPERTS = tuple(f"experts.{w}" for w in EXPERT_WEIGHTS)
+GROUPS = {"attention": ATTENTION, "mlp": MLP, "experts": EXPERTS, "all": ATTENTION + MLP + EXPERTS}
+EXPERT_A = ("per_expert", "shared")
 ADAPTER_NAMES = ("lora_A", "lora_B")  # a module's adapter children; their `.weight` tensors are the adapter
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's names in its files
@@ -52,12 +74,15 @@ class LoraSpec:
     alpha: float = 16.0
     rslora: bool = False
     modules: str = "all"
+    expert_a: str = "per_expert"  # MoE experts: an A per expert, or one A shared by the experts (B per expert)
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
             raise ValueError(f"lora.rank = {self.rank!r}: use an integer >= 0 (0 = no adapters)")
         if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
             raise ValueError(f"lora.alpha = {self.alpha!r}: use a finite number > 0")
+        if self.expert_a not in EXPERT_A:
+            raise ValueError(f"lora.expert_a = {self.expert_a!r}: use per_expert or shared")
         self.targets  # noqa: B018  (checks the names)
 
     @classmethod
@@ -78,14 +103,13 @@ class LoraSpec:
 
     @property
     def targets(self) -> tuple[str, ...]:
-        if self.modules in GROUPS:
-            return GROUPS[self.modules]
         names = tuple(n.strip() for n in str(self.modules).split(",") if n.strip())
-        bad = [n for n in names if n not in GROUPS["all"]]
+        bad = [n for n in names if n not in GROUPS["all"] and n not in GROUPS]
         if not names or bad:
-            raise ValueError(f"lora.modules = {self.modules!r}: use attention, mlp, all, or comma-separated names "
-                             f"from {', '.join(GROUPS['all'])}")
-        return tuple(dict.fromkeys(names))
+            raise ValueError(f"lora.modules = {self.modules!r}: use attention, mlp, experts, all, or comma-separated "
+                             f"names from {', '.join(GROUPS['all'])}")
+        wanted = {t for n in names for t in GROUPS.get(n, (n,))}
+        return tuple(t for t in GROUPS["all"] if t in wanted)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -100,6 +124,24 @@ class _Matrix(nn.Module):
         self.weight = nn.Parameter(forward_layout(n_out, n_in, torch.float32))
 
 
+class _Stack(nn.Module):
+    """Per-expert adapter matrices as one `weight` [E, n_out, n_in] over contiguous [E, n_in, n_out] storage: its
+    transpose is the [E, in, out] operand ops.expert_linear takes, with no copy."""
+
+    def __init__(self, n_experts: int, n_out: int, n_in: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, n_in, n_out, dtype=torch.float32).transpose(1, 2))
+
+
+class _ExpertAdapter(nn.Module):
+    """The adapter of one expert product: lora_A (a _Stack [E, r, in], or a shared _Matrix [r, in]), lora_B [E, out, r]."""
+
+    def __init__(self, n_experts: int, rank: int, n_in: int, n_out: int, shared_a: bool):
+        super().__init__()
+        self.lora_A = _Matrix(rank, n_in) if shared_a else _Stack(n_experts, rank, n_in)
+        self.lora_B = _Stack(n_experts, n_out, rank)
+
+
 def adapter_product(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """The adapter's term of y = base(x) + u, in x's dtype, by the module's one schedule."""
     t = ops.linear(x if x.dtype == torch.float32 else x.float(), a) * scale
@@ -109,8 +151,29 @@ def adapter_product(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: fl
     return u if u.dtype == x.dtype else u.to(x.dtype)
 
 
+def expert_adapter_product(rows: torch.Tensor, which: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """The adapter's term of an expert product, in rows' dtype: row m of rows [M, in] through expert which[m]'s A
+    (a [E, r, in], or a shared [r, in]) and B (b [E, out, r]), by the module's one schedule."""
+    x = rows if rows.dtype == torch.float32 else rows.float()
+    t = (ops.linear(x, a) if a.dim() == 2 else ops.expert_linear(x, which, a.transpose(1, 2))) * scale
+    if rows.dtype != torch.float32:
+        t = t.to(rows.dtype).float()  # the one rounding of t, to the compute dtype
+    u = ops.expert_linear(t, which, b.transpose(1, 2))
+    return u if u.dtype == rows.dtype else u.to(rows.dtype)
+
+
 def _add_adapter(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
     return output + adapter_product(inputs[0], module.lora_A.weight, module.lora_B.weight, module.lora_scale)
+
+
+def _add_expert_adapter(experts: nn.Module, name: str, rows: torch.Tensor, which: torch.Tensor,
+                        y: torch.Tensor) -> torch.Tensor:
+    """The experts' product hook (models/moe.py `adapted`): y plus the adapter's term of product `name`, if adapted."""
+    adapter = experts.adapters[name] if name in experts.adapters else None
+    if adapter is None:
+        return y
+    return y + expert_adapter_product(rows, which, adapter.lora_A.weight, adapter.lora_B.weight, experts.lora_scale)
 
 
 def _linear_layers(model: nn.Module):
@@ -124,6 +187,31 @@ def _linear_layers(model: nn.Module):
             yield name, module
 
 
+def _expert_layers(model: nn.Module):
+    """(qualified name, module) of every MoE experts module (stacked 3-d expert weights: models/moe.py's, or the
+    quantized experts a precision recipe put in their place)."""
+    from nemo_rz.models.moe import GptOssExperts, Qwen3MoeExperts
+    from nemo_rz.quant.experts import QuantizedExperts
+
+    for name, module in model.named_modules():
+        if isinstance(module, (Qwen3MoeExperts, GptOssExperts, QuantizedExperts)):
+            yield name, module
+
+
+def _expert_dims(experts: nn.Module, weight: str) -> tuple[int, int, int]:
+    """(experts, in, out) of one stacked expert weight ([E, out, in] or [E, in, out], by the module's `out_in`)."""
+    e, d1, d2 = getattr(experts, weight).shape
+    return (e, d2, d1) if experts.out_in else (e, d1, d2)
+
+
+def _init(a: torch.Tensor, b: torch.Tensor, n_in: int, gen: torch.Generator | None) -> None:
+    """PEFT's init: A Kaiming-uniform (a = sqrt(5), bound 1/sqrt(K)), B zero."""
+    with torch.no_grad():
+        bound = 1.0 / math.sqrt(n_in)
+        a.copy_(torch.empty(a.shape).uniform_(-bound, bound, generator=gen))
+        b.zero_()
+
+
 def apply_lora(model: nn.Module, spec: "LoraSpec | dict | None", seed: int | None = None) -> nn.Module:
     """Give every targeted linear layer of `model` an adapter and freeze everything else, in place; returns the
     model (unchanged for rank 0). `seed`: A's initialization draws from its own generator (default: torch's)."""
@@ -133,20 +221,27 @@ def apply_lora(model: nn.Module, spec: "LoraSpec | dict | None", seed: int | Non
     if adapted(model):
         raise ValueError("apply_lora: the model already has LoRA adapters")
     layers = [(n, m) for n, m in _linear_layers(model) if n.rsplit(".", 1)[-1] in spec.targets]
-    if not layers:
-        raise ValueError(f"lora.modules = {spec.modules!r}: the model has no such linear layers "
-                         f"(its MoE experts are not adapted; choose among {', '.join(GROUPS['all'])})")
+    weights = [w for w in EXPERT_WEIGHTS if f"experts.{w}" in spec.targets]
+    experts = [(n, m) for n, m in _expert_layers(model)] if weights else []
+    if not layers and not experts:
+        raise ValueError(f"lora.modules = {spec.modules!r}: the model has no such linear layers or MoE experts "
+                         f"(choose among {', '.join(GROUPS['all'])})")
     model.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     for _, m in layers:
         n_out, n_in = m.weight.shape
         m.lora_A, m.lora_B = _Matrix(spec.rank, n_in), _Matrix(n_out, spec.rank)
-        with torch.no_grad():  # PEFT's init: A Kaiming-uniform (a = sqrt(5), bound 1/sqrt(K)), B zero
-            bound = 1.0 / math.sqrt(n_in)
-            m.lora_A.weight.copy_(torch.empty(spec.rank, n_in).uniform_(-bound, bound, generator=gen))
-            m.lora_B.weight.zero_()
+        _init(m.lora_A.weight, m.lora_B.weight, n_in, gen)
         m.lora_scale = spec.scale
         m.register_forward_hook(_add_adapter)
+    for _, m in experts:
+        m.adapters = nn.ModuleDict()
+        for w in weights:
+            e, n_in, n_out = _expert_dims(m, w)
+            m.adapters[w] = _ExpertAdapter(e, spec.rank, n_in, n_out, spec.expert_a == "shared")
+            _init(m.adapters[w].lora_A.weight, m.adapters[w].lora_B.weight, n_in, gen)
+        m.lora_scale = spec.scale
+        m.product_hook = _add_expert_adapter
     model.lora_spec = spec
     return model
 
@@ -195,19 +290,55 @@ def merged_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str
             w = m.weight.detach()
             delta = m.lora_scale * (m.lora_B.weight.detach().double() @ m.lora_A.weight.detach().double())
             out[f"{name}.weight"] = (w.double() + delta).to(dtype or w.dtype)
+    for name, m in _expert_layers(model):
+        for w_name, adapter in getattr(m, "adapters", {}).items():
+            w = getattr(m, w_name).detach()
+            a, b = adapter.lora_A.weight.detach().double(), adapter.lora_B.weight.detach().double()
+            delta = m.lora_scale * (b @ a)  # [E, out, in] (a shared A broadcasts)
+            out[f"{name}.{w_name}"] = (w.double() + (delta if m.out_in else delta.transpose(1, 2))).to(dtype or w.dtype)
     return out
 
 
 # -- PEFT adapter directories ----------------------------------------------------------------------------------
 def _peft_targets(cfg: dict, where: Path) -> tuple[str, ...]:
-    targets = cfg.get("target_modules")
-    if isinstance(targets, str):
-        targets = GROUPS["all"] if targets == "all-linear" else [targets]
-    names = tuple(sorted(set(targets or ()), key=GROUPS["all"].index)) if set(targets or ()) <= set(GROUPS["all"]) else None
-    if not names:
-        raise ValueError(f"{where}: target_modules {targets!r} are not among {', '.join(GROUPS['all'])} "
+    dense = cfg.get("target_modules") or ()
+    if isinstance(dense, str):
+        dense = GROUPS["attention"] + GROUPS["mlp"] if dense == "all-linear" else [dense]
+    experts = []
+    for p in cfg.get("target_parameters") or ():
+        hit = [t for t in EXPERTS if p == t or p.endswith("." + t)]
+        if not hit:
+            raise ValueError(f"{where}: target_parameters entry {p!r} is not an MoE experts weight "
+                             f"({', '.join(EXPERTS)}); only those load")
+        experts += hit
+    if not set(dense) <= set(ATTENTION + MLP) or not (dense or experts):
+        raise ValueError(f"{where}: target_modules {list(dense)!r} are not among {', '.join(ATTENTION + MLP)} "
                          "(a regex or other modules cannot load); save the adapter with a list of those names")
-    return names
+    return tuple(t for t in GROUPS["all"] if t in set(dense) | set(experts))
+
+
+def _peft_expert_names(targets: tuple[str, ...]) -> dict[str, str]:
+    """{the infix peft writes between `...experts.` and `lora_A`: the targeted weight}: ParamWrappers nest in the
+    module's parameter order, the first targeted weight innermost (the most `base_layer.`s)."""
+    weights = [w for w in EXPERT_WEIGHTS if f"experts.{w}" in targets]
+    return {"base_layer." * (len(weights) - 1 - i): w for i, w in enumerate(weights)}
+
+
+def _from_peft_expert(kind: str, v: torch.Tensor, rank: int, name: str) -> torch.Tensor:
+    """peft's fused layout of one expert weight's A [E * r, in] or B [out, r * E] -> nemo-rz's [E, r, in] / [E, out, r]."""
+    if v.dim() != 2 or v.shape[0 if kind == "lora_A" else 1] % rank:
+        raise ValueError(f"{name}: shape {list(v.shape)} is not peft's fused expert layout for rank {rank}")
+    if kind == "lora_A":
+        return v.reshape(v.shape[0] // rank, rank, v.shape[1])
+    return v.reshape(v.shape[0], rank, v.shape[1] // rank).permute(2, 0, 1)
+
+
+def _to_peft_expert(kind: str, v: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """The inverse of _from_peft_expert; a shared A [r, in] is written once per expert."""
+    if kind == "lora_A":
+        a = v.expand(n_experts, *v.shape) if v.dim() == 2 else v
+        return a.reshape(-1, a.shape[-1]).contiguous()
+    return v.permute(1, 2, 0).reshape(v.shape[1], -1).contiguous()
 
 
 def load_peft(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
@@ -229,6 +360,7 @@ def load_peft(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
             raise ValueError(f"{where}: {key} = {value!r} is not supported (only plain LoRA: {key} = {ok!r})")
     spec = LoraSpec(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), rslora=bool(cfg.get("use_rslora", False)),
                     modules=",".join(_peft_targets(cfg, where)))
+    infixes = _peft_expert_names(spec.targets)
     tensors = {}
     for k, v in load_file(weights_file).items():
         name = k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k
@@ -237,18 +369,28 @@ def load_peft(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
             raise ValueError(f"{weights_file}: tensor {k!r} is not a LoRA A or B matrix")
         if not torch.isfinite(v).all():
             raise ValueError(f"{weights_file}: tensor {k!r} holds non-finite values")
+        module, _, rest = name.partition(".experts.")
+        if rest:  # an expert weight's adapter: `...experts.[base_layer.]*lora_A.weight`
+            infix, kind = rest[: -len("lora_A.weight")], rest.split(".")[-2]
+            if infix not in infixes:
+                raise ValueError(f"{weights_file}: tensor {k!r} matches none of the targeted expert weights "
+                                 f"{', '.join(infixes.values())}")
+            name, v = f"{module}.experts.adapters.{infixes[infix]}.{kind}.weight", _from_peft_expert(kind, v, spec.rank, k)
         tensors[name] = v.float()
     return spec, tensors
 
 
 def init_from(model: nn.Module, path: str | Path) -> None:
-    """Load a PEFT adapter into a model with adapters of the same rank, scale and modules (lora.init_from)."""
+    """Load a PEFT adapter into a model with adapters of the same rank, scale and modules (lora.init_from); a model
+    with a shared expert A cannot take peft's per-expert A."""
     spec, tensors = load_peft(path)
     own: LoraSpec = model.lora_spec
     if (spec.rank, spec.scale, set(spec.targets)) != (own.rank, own.scale, set(own.targets)):
         raise ValueError(f"lora.init_from = {path}: the adapter has rank {spec.rank}, alpha {spec.alpha:g}, rslora "
                          f"{str(spec.rslora).lower()}, modules {','.join(spec.targets)}; set lora.rank, lora.alpha, "
                          "lora.rslora and lora.modules to match")
+    if own.expert_a != "per_expert" and any(t in own.targets for t in EXPERTS):
+        raise ValueError(f"lora.init_from = {path}: a PEFT adapter holds an A per expert; set lora.expert_a=per_expert")
     load_weights(model, tensors)
 
 
@@ -259,10 +401,23 @@ def save_peft(model: nn.Module, path: str | Path, base_model: str | None = None)
     spec: LoraSpec = model.lora_spec
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    dense = [t for t in spec.targets if t not in EXPERTS]
+    experts = {name: m for name, m in _expert_layers(model) if getattr(m, "adapters", None)}
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": spec.rank,
-              "lora_alpha": spec.alpha, "use_rslora": spec.rslora, "target_modules": list(spec.targets),
+              "lora_alpha": spec.alpha, "use_rslora": spec.rslora, "target_modules": dense,
               "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_dora": False,
               "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
+    if experts:
+        config["target_parameters"] = [t for t in spec.targets if t in EXPERTS]
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    save_file({PEFT_PREFIX + k: v.detach().contiguous() for k, v in adapter_state(model).items()}, str(path / WEIGHTS_FILE))
+    infix = {w: i for i, w in _peft_expert_names(spec.targets).items()}
+    out = {}
+    for k, v in adapter_state(model).items():
+        module, _, rest = k.partition(".experts.adapters.")
+        if rest:  # `<weight>.lora_A.weight` -> peft's nested name and fused layout
+            weight, kind, _ = rest.split(".")
+            n_experts = getattr(experts[f"{module}.experts"], weight).shape[0]
+            k, v = f"{module}.experts.{infix[weight]}{kind}.weight", _to_peft_expert(kind, v, n_experts)
+        out[PEFT_PREFIX + k] = v.detach().contiguous()
+    save_file(out, str(path / WEIGHTS_FILE))
     return path

@@ -80,6 +80,20 @@ def _pairs(x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.
     return x.repeat_interleave(k, dim=0), experts.reshape(n * k)
 
 
+def adapted(experts: nn.Module, name: str, rows: torch.Tensor, which: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y [M, out], the expert product `name` (gate_up_proj, down_proj) of rows [M, in] (row m through expert
+    which[m]), plus what the experts module's `product_hook` adds, if it has one (models/lora.py's expert adapters:
+    a seam, so the experts know nothing of LoRA)."""
+    hook = getattr(experts, "product_hook", None)
+    return y if hook is None else hook(experts, name, rows, which, y)
+
+
+def expert_product(experts: nn.Module, name: str, rows: torch.Tensor, which: torch.Tensor,
+                   weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """ops.expert_linear(rows, which, weight_t, bias) in rows' dtype, `adapted`."""
+    return adapted(experts, name, rows, which, ops.expert_linear(rows, which, weight_t, bias))
+
+
 def _row_sum(values: torch.Tensor) -> torch.Tensor:
     """Sum over the k columns, left to right: a fixed order for every row."""
     total = values[:, 0]
@@ -120,6 +134,8 @@ def recorded_routing(model: nn.Module):
 
 
 class Qwen3MoeExperts(nn.Module):
+    out_in = True  # weights stored [E, out, in]
+
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -133,8 +149,8 @@ class Qwen3MoeExperts(nn.Module):
 
     def rows(self, rows: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
         """Row m of rows [M, H] through expert which[m] (unweighted) -> [M, H]."""
-        gate_up = ops.expert_linear(rows, which, transposed(self.gate_up_proj), None)
-        return ops.expert_linear(self.activation(gate_up), which, transposed(self.down_proj), None)
+        gate_up = expert_product(self, "gate_up_proj", rows, which, transposed(self.gate_up_proj), None)
+        return expert_product(self, "down_proj", self.activation(gate_up), which, transposed(self.down_proj), None)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return ops.moe_combine(self.rows(*_pairs(x, experts)), weights, experts)
@@ -166,6 +182,8 @@ class Qwen3Moe(_Routed):
 
 
 class GptOssExperts(nn.Module):
+    out_in = False  # weights stored [E, in, out]
+
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         e, h, i, dt = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.torch_dtype
@@ -182,8 +200,8 @@ class GptOssExperts(nn.Module):
 
     def rows(self, rows: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
         """Row m of rows [M, H] through expert which[m] (unweighted) -> [M, H]."""
-        gate_up = ops.expert_linear(rows, which, self.gate_up_proj, self.gate_up_proj_bias)
-        return ops.expert_linear(self.activation(gate_up), which, self.down_proj, self.down_proj_bias)
+        gate_up = expert_product(self, "gate_up_proj", rows, which, self.gate_up_proj, self.gate_up_proj_bias)
+        return expert_product(self, "down_proj", self.activation(gate_up), which, self.down_proj, self.down_proj_bias)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return ops.moe_combine(self.rows(*_pairs(x, experts)), weights, experts)

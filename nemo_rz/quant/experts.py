@@ -18,7 +18,7 @@ from torch import nn
 
 from nemo_rz import ops
 from nemo_rz.models.families import gpt_oss, qwen3_moe
-from nemo_rz.models.moe import GptOssExperts, Qwen3MoeExperts
+from nemo_rz.models.moe import GptOssExperts, Qwen3MoeExperts, adapted
 from nemo_rz.ops.weight_cache import derived, forget_weight_copies
 from nemo_rz.quant.linear import Precision, dequantized
 from nemo_rz.quant.linear import Substitute as _Substitute
@@ -51,6 +51,7 @@ class QuantizedExperts(nn.Module):
         for name, p in experts.named_parameters(recurse=False):
             setattr(self, name, p)
         self.limit = getattr(experts, "limit", None)
+        self.out_in = self.family.out_in
         self.precision = precision
 
     def forget(self) -> None:
@@ -88,12 +89,17 @@ class QuantizedExperts(nn.Module):
         value = self.quantize(x, "activation")
         return _Substitute.apply(x, value) if torch.is_grad_enabled() and x.requires_grad else value
 
+    def _product(self, name: str, rows: torch.Tensor, which: torch.Tensor, bias, dtype: torch.dtype) -> torch.Tensor:
+        """The quantized product of rows through each row's expert, in `dtype`; a product hook (LoRA's expert adapters)
+        sees the rows before quantization, as a LoRA hook on a QuantizedLinear sees its input."""
+        y = ops.expert_linear(self._rows(rows), which, self._weight(name), bias).to(dtype)
+        return adapted(self, name, rows, which, y)
+
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n, k = experts.shape
         rows, which = x.repeat_interleave(k, dim=0), experts.reshape(n * k)
         bias = getattr(self, "gate_up_proj_bias", None)
-        gate_up = ops.expert_linear(self._rows(rows), which, self._weight("gate_up_proj"), bias).to(x.dtype)
+        gate_up = self._product("gate_up_proj", rows, which, bias, x.dtype)
         act = self.family.activation(self, gate_up)
-        bias = getattr(self, "down_proj_bias", None)
-        y = ops.expert_linear(self._rows(act), which, self._weight("down_proj"), bias).to(x.dtype)
+        y = self._product("down_proj", act, which, getattr(self, "down_proj_bias", None), x.dtype)
         return ops.moe_combine(y, weights, experts)

@@ -105,7 +105,7 @@ def build_lora(spec: schema.LoraSection, model: Decoder, seed: int) -> Decoder:
             raise ValueError(f"lora.init_from = {spec.init_from}: set lora.rank (and alpha, modules) to the adapter's")
         return model
     # bad modules are one line here
-    lora.apply_lora(model, lora.LoraSpec(spec.rank, spec.alpha, spec.rslora, spec.modules), seed)
+    lora.apply_lora(model, lora.LoraSpec(spec.rank, spec.alpha, spec.rslora, spec.modules, spec.expert_a), seed)
     if spec.init_from is not None:
         lora.init_from(model, spec.init_from)
     return model
