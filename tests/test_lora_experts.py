@@ -87,6 +87,56 @@ def test_expert_adapters_follow_adapter_only_updates_with_zero_mismatch(family):
     assert count_diff(learner_model, outs)[0] > 0, "negative control: library kernels should differ"
 
 
+def test_quantized_experts_with_float32_expert_adapters_have_zero_mismatch():
+    """mxfp8 experts (a precision recipe's QuantizedExperts) with expert LoRA on top: the adapter's term is
+    expert_adapter_product of the rows before quantization and the raw float32 A and B, and after an update the
+    engine records the learner's logprobs at batch 1 and 16. Negative control: fast kernels in the engine."""
+    from nemo_rz.quant.apply import apply_precision
+    from nemo_rz.quant.experts import QuantizedExperts
+
+    def model(lora_seed):
+        torch.manual_seed(0)
+        m = Decoder(DecoderConfig(**{**BASE, "moe_kind": "qwen3", "dtype": "bfloat16"}))
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0, 0.3)
+        m = apply_precision(m.eval(), {"recipe": "mxfp8", "modules": "experts"})
+        return lora.apply_lora(m, dict(rank=4, alpha=8.0, modules="experts"), seed=lora_seed)
+
+    learner_model, engine_model = model(0), model(1)
+    learner = Learner(learner_model, 0.05, 1.0, 1.0, "reinforce_zero", "none", {})
+    engine = RolloutEngine(engine_model, max_batch_size=16)
+    engine.update_weights(learner_model.state_dict(), 0)
+    _step(learner, engine.generate(_prompts(1, 8), SamplingParams(5, seed=1)))
+    engine.update_weights({k: v.detach().clone() for k, v in lora.adapter_state(learner_model).items()}, 1)
+    experts = learner_model.model.layers[0].mlp.experts
+    assert isinstance(experts, QuantizedExperts) and experts.adapters["down_proj"].lora_B.weight.abs().sum() > 0
+    g = torch.Generator().manual_seed(2)
+    x, which = torch.randn(6, 64, generator=g).to(torch.bfloat16), torch.randint(0, 4, (6, 2), generator=g)
+    weights = torch.full((6, 2), 0.5)
+    with torch.no_grad():
+        adapted = experts(x, which, weights)
+        experts.product_hook = None
+        plain = experts(x, which, weights)
+        rows, flat = x.repeat_interleave(2, dim=0), which.reshape(12)
+        a, b = experts.adapters["gate_up_proj"].lora_A.weight, experts.adapters["gate_up_proj"].lora_B.weight
+        term = lora.expert_adapter_product(rows, flat, a, b, experts.lora_scale)
+        experts.product_hook = lora._add_expert_adapter
+        hooked = experts._product("gate_up_proj", rows, flat, None, torch.bfloat16)
+        experts.product_hook = None
+        assert torch.equal(hooked, experts._product("gate_up_proj", rows, flat, None, torch.bfloat16) + term)
+        experts.product_hook = lora._add_expert_adapter
+    assert not torch.equal(adapted, plain)
+    for n in (1, 16):
+        outs = RolloutEngine(engine_model, max_batch_size=n).generate(_prompts(30 + n, n), SamplingParams(5, seed=n))
+        diff, total = count_diff(learner_model, outs)
+        assert total > 0 and diff == 0, f"batch {n}: {diff} of {total} tokens differ"
+    with ops.use_kernels("fast"):
+        outs = RolloutEngine(engine_model, max_batch_size=16, prefill_chunk=4).generate(_prompts(9, 16), SamplingParams(5, seed=9))
+    assert count_diff(learner_model, outs)[0] > 0, "negative control: library kernels should differ"
+
+
 def test_the_expert_product_follows_its_schedule_and_a_fresh_adapter_changes_nothing():
     """expert_adapter_product row by row against its schedule written out per expert; B = 0 leaves the model's bits;
     per-row results do not depend on the other rows (the product's row invariance)."""
