@@ -9,8 +9,8 @@ beside it: no cpp_extension import, no ninja run). No compiler, a failed build o
 
 - `matvec(x, w_t)`: x [1, K] @ w_t [K, N] (float32, w_t contiguous) in a fixed order (matvec.cpp), which is the
   order MKL's single-thread GEMM gives each row of a product of two or more rows on this CPU's kind: MKL cuts K
-  into blocks by one rule on AVX-512 and another on AVX2 (MKL_ORDER, from the CPU's flags). Whether it is, on a
-  given machine and shape, is for the caller to probe (ops/gemm.py does).
+  into blocks by one rule on its AVX-512 path (Intel CPUs only) and another on AVX2 (MKL_ORDER, from the CPU's
+  vendor and flags). Whether it is, on a given machine and shape, is for the caller to probe (ops/gemm.py does).
 - `rows_mm(x, w_t)`: x [M, K] float32 @ w_t [K, N] (float32 or bfloat16, contiguous) with every row in that same
   order, whatever M: a bfloat16 weight is read as it is stored (half the bytes of a float32 copy) and gives the
   bits of its exact float32 widening; rows share each pass over the weight, up to 8 at a time.
@@ -44,14 +44,15 @@ _TAG: object = _UNLOADED  # what _load gave, once it ran
 
 
 def _cpu_id() -> str:
-    """What a -march=native binary depends on: the architecture and the CPU's model and feature flags."""
+    """What a -march=native binary (and MKL's choice of code path) depends on: the architecture and the CPU's
+    vendor, model and feature flags."""
     lines = []
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("model name", "flags", "Features")):
+                if line.startswith(("vendor_id", "model name", "flags", "Features")):
                     lines.append(line)
-                if len(lines) >= 2:
+                if len(lines) >= 3:
                     break
     except OSError:
         pass
@@ -59,8 +60,10 @@ def _cpu_id() -> str:
 
 
 def _mkl_order() -> int:
-    """The block rule of the code path MKL takes here: AVX-512 where the CPU has it (avx512f), else AVX2."""
-    return AVX512 if " avx512f" in _cpu_id() else AVX2
+    """The block rule of the code path MKL takes here: AVX-512 on Intel CPUs that have it (avx512f), else AVX2.
+    MKL dispatches by vendor: on AMD CPUs with AVX-512 (Zen 4) its sgemm takes the AVX2 path."""
+    cpu = _cpu_id()
+    return AVX512 if "GenuineIntel" in cpu and " avx512f" in cpu else AVX2
 
 
 MKL_ORDER = _mkl_order()
