@@ -23,6 +23,9 @@ MOE_KINDS = ("qwen3", "gpt_oss", "deepseek")
 # "gqa": per-head queries, keys and values (num_kv_heads key heads); "mla": multi-head latent attention
 # (models/mla.py): one latent key head of kv_lora_rank + head_dim (the decoupled RoPE part) per token.
 ATTENTION_KINDS = ("gqa", "mla")
+# the linear_attention layers (models/linear_attention.py): "gated_deltanet": Gated DeltaNet, one decay per head
+# (Qwen3-Next); "kda": Kimi Delta Attention, one decay per key channel (Kimi Linear)
+LINEAR_KINDS = ("gated_deltanet", "kda")
 
 
 @dataclasses.dataclass
@@ -75,7 +78,10 @@ class DecoderConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the RoPE part's dimensions rotate in adjacent pairs (DeepSeek)
-    # -- hybrid linear attention (layer_types "linear_attention": Gated DeltaNet, models/linear_attention.py) --
+    use_rope: bool = True  # False: no rotary position embedding anywhere (Kimi Linear's MLA: positions come from
+    #                        its linear layers; the decoupled key part is then attended unrotated)
+    # -- hybrid linear attention (layer_types "linear_attention": models/linear_attention.py) -----------------
+    linear_kind: str = "gated_deltanet"  # LINEAR_KINDS
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
@@ -105,7 +111,7 @@ class DecoderConfig:
         if self.head_dim % 2:
             raise ValueError(f"DecoderConfig.head_dim = {self.head_dim}: RoPE needs an even head_dim")
         for name, allowed in (("dtype", tuple(DTYPES)), ("norm", NORMS), ("hidden_act", ACTIVATIONS), ("moe_kind", MOE_KINDS),
-                              ("attention_kind", ATTENTION_KINDS)):
+                              ("attention_kind", ATTENTION_KINDS), ("linear_kind", LINEAR_KINDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"DecoderConfig.{name} = {getattr(self, name)!r}: use one of {', '.join(allowed)}")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window <= 0):
@@ -164,8 +170,9 @@ class DecoderConfig:
             if self.num_kv_heads != 1:
                 raise ValueError(f"DecoderConfig: attention_kind='mla' attends one latent key head, so num_kv_heads must "
                                  f"be 1, not {self.num_kv_heads}")
-            if self.qk_norm or self.attention_sinks or self.sliding_window is not None:
-                raise ValueError("DecoderConfig: attention_kind='mla' has no qk_norm, sinks or sliding windows; turn them off")
+            if self.qk_norm or self.attention_sinks or self.sliding_window is not None or self.attention_output_gate:
+                raise ValueError("DecoderConfig: attention_kind='mla' has no qk_norm, sinks, sliding windows or output "
+                                 "gate; turn them off")
 
         if self.layer_types is not None and "linear_attention" in self.layer_types:
             for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -176,8 +183,13 @@ class DecoderConfig:
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ValueError(f"DecoderConfig: linear_num_value_heads={self.linear_num_value_heads} is not a multiple "
                                  f"of linear_num_key_heads={self.linear_num_key_heads}")
-            if self.attention_kind != "gqa":
-                raise ValueError("DecoderConfig: linear_attention layers beside attention_kind='mla' are not supported")
+            if self.linear_kind == "kda" and (self.linear_num_key_heads != self.linear_num_value_heads
+                                              or self.linear_key_head_dim != self.linear_value_head_dim):
+                raise ValueError("DecoderConfig: linear_kind='kda' has one head count and one head size for queries, keys "
+                                 "and values; set linear_num_key_heads = linear_num_value_heads and linear_key_head_dim "
+                                 "= linear_value_head_dim")
+        if not isinstance(self.use_rope, bool):
+            raise ValueError(f"DecoderConfig.use_rope = {self.use_rope!r}: must be true or false")
         rot = self.head_dim * self.partial_rotary_factor
         if not (0 < self.partial_rotary_factor <= 1) or rot != int(rot) or int(rot) % 2:
             raise ValueError(f"DecoderConfig.partial_rotary_factor = {self.partial_rotary_factor!r}: head_dim times it "
@@ -194,7 +206,7 @@ class DecoderConfig:
         return [self.window(i) for i in range(self.num_layers)]
 
     def is_linear(self, layer: int) -> bool:
-        """Whether layer `layer` is a linear-attention (Gated DeltaNet) layer."""
+        """Whether layer `layer` is a linear-attention layer (Gated DeltaNet or Kimi Delta Attention: linear_kind)."""
         return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
 
     @property

@@ -154,9 +154,11 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple, str]]:
 
 def _found(files: list[Path], cfg: DecoderConfig, headers: dict | None = None,
            arch: str | None = None) -> dict[str, tuple[Path, tuple, str]]:
-    """{tensor name: (file, shape, safetensors dtype)} of every tensor the model could use, first file wins."""
+    """{tensor name: (file, shape, safetensors dtype)} of every tensor the model could use, first file wins; the
+    names as the model spells them where a family's files spell some otherwise (Family.alias)."""
     headers = _headers(files) if headers is None else headers
-    return {name: entry for name, entry in headers.items() if not ignored_tensor(name, cfg, arch)}
+    alias = _family(cfg, arch).alias
+    return {alias(name): entry for name, entry in headers.items() if not ignored_tensor(alias(name), cfg, arch)}
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -232,14 +234,16 @@ def _check(found: dict[str, tuple[tuple, str]], expected: dict[str, tuple], wher
         )
 
 
-def _read(files: list[Path], found: dict, convert) -> dict[str, torch.Tensor]:
-    """convert(name, tensor) of every tensor in `found`, each file opened once."""
+def _read(files: list[Path], found: dict, convert, alias=None) -> dict[str, torch.Tensor]:
+    """convert(name, tensor) of every tensor in `found`, each file opened once (`alias`: the name `found` holds
+    for a file's name, Family.alias)."""
     out = {}
     for file in files:
         with _open(file) as f:
             for name in f.keys():
-                if found.get(name, (None,))[0] == file:
-                    out[name] = convert(name, f.get_tensor(name))
+                key = name if alias is None else alias(name)
+                if found.get(key, (None,))[0] == file:
+                    out[key] = convert(key, f.get_tensor(name))
     return out
 
 
@@ -267,12 +271,13 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: di
     params = model.state_dict()  # on the meta device: each parameter's shape and layout
     shapes = {name: tuple(t.shape) for name, t in params.items()}
     found = _found(files, cfg, headers, arch)
+    fam = _family(cfg, arch)
     where = _where(files)
     if quantization:
         from nemo_rz.quant.checkpoints import dequantized
 
         try:
-            tensors = dequantized(_read(files, found, lambda n, t: t), quantization)
+            tensors = dequantized(_read(files, found, lambda n, t: t, fam.alias), quantization)
         except ValueError as e:
             raise ModelFileError(f"{where}: {e}") from None
         found = {n: (None, tuple(t.shape), _SAFETENSORS_NAMES.get(t.dtype, str(t.dtype))) for n, t in tensors.items()}
@@ -281,7 +286,7 @@ def _load_tensors(files: list[Path], model: Decoder, arch: str, quantization: di
     expected = _per_expert_shapes(shapes, cfg, arch) if per_expert else shapes
     _check({n: (shape, dtype) for n, (_, shape, dtype) in found.items()}, expected, where, arch, cfg)
     own = lambda n, t: _owned(t, cfg, params.get(n))  # noqa: E731
-    out = {n: own(n, t) for n, t in tensors.items()} if quantization else _read(files, found, own)
+    out = {n: own(n, t) for n, t in tensors.items()} if quantization else _read(files, found, own, fam.alias)
     nonfinite = [n for n, t in out.items() if not bool(torch.isfinite(t).all())]
     if nonfinite:
         raise ModelFileError(

@@ -124,7 +124,9 @@ def attend(cfg: DecoderConfig, layer: int, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def rotated(cfg: DecoderConfig, layer: int, x: torch.Tensor, t) -> torch.Tensor:
-    """x [N, heads, D] rotated by layer `layer`'s RoPE at the positions of `t`."""
+    """x [N, heads, D] rotated by layer `layer`'s RoPE at the positions of `t` (x itself without RoPE: use_rope)."""
+    if not cfg.use_rope:
+        return x
     rope = cfg.rope(layer)
     return ops.rope(x, t.positions, rope[0], t.ropes[rope])
 
@@ -182,11 +184,12 @@ def mlp(cfg: DecoderConfig, layer: int) -> nn.Module:
 
 def attention(cfg: DecoderConfig, layer: int) -> nn.Module:
     """Layer `layer`'s attention: GQA, multi-head latent attention (models/mla.py), or a hybrid model's layers
-    (models/linear_attention.py: Gated DeltaNet, the output-gated full attention)."""
+    (models/linear_attention.py: Gated DeltaNet or Kimi Delta Attention by linear_kind, the output-gated full
+    attention)."""
     if cfg.is_linear(layer) or cfg.attention_output_gate:
-        from nemo_rz.models.linear_attention import GatedAttention, GatedDeltaNet
+        from nemo_rz.models.linear_attention import LINEAR_LAYERS, GatedAttention
 
-        return (GatedDeltaNet if cfg.is_linear(layer) else GatedAttention)(cfg, layer)
+        return LINEAR_LAYERS[cfg.linear_kind](cfg, layer) if cfg.is_linear(layer) else GatedAttention(cfg, layer)
     if cfg.attention_kind == "mla":
         from nemo_rz.models.mla import LatentAttention
 
@@ -200,8 +203,9 @@ class Block(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
         self.input_layernorm = norm(cfg)
-        self.mixer = "linear_attn" if cfg.is_linear(layer) else "self_attn"  # transformers' names
-        self.add_module(self.mixer, attention(cfg, layer))
+        mixer = attention(cfg, layer)
+        self.mixer = getattr(mixer, "hf_name", "self_attn")  # transformers' name ("linear_attn": Gated DeltaNet)
+        self.add_module(self.mixer, mixer)
         self.post_attention_layernorm = norm(cfg)
         self.mlp = mlp(cfg, layer)
 

@@ -1,5 +1,7 @@
-"""Linear-attention layers of hybrid models: Gated DeltaNet (Qwen3-Next, `linear_attn`), and the gated full
-attention of the same models (output gate, partial RoPE).
+"""Linear-attention layers of hybrid models: Gated DeltaNet (Qwen3-Next, `linear_attn`), Kimi Delta Attention
+(Kimi Linear, `self_attn`: KimiDeltaAttention), and the gated full attention of Qwen3-Next (output gate, partial
+RoPE). Both linear layers are a DeltaRuleMixer: the same conv, cache and delta rule, their own projections,
+gates and output.
 
 Gated DeltaNet, as transformers' Qwen3NextGatedDeltaNet (parameter names alike): `in_proj_qkvz` (per key head:
 q, k, then the value and gate heads of its group), `in_proj_ba`, a causal depthwise `conv1d` (kernel K) + SiLU on
@@ -42,7 +44,7 @@ class LinearState:
     q: torch.Tensor  # [slots, Hv, CHUNK, Dk]  the partial chunk's inputs (rows past its last token are zero)
     k: torch.Tensor
     v: torch.Tensor  # [slots, Hv, CHUNK, Dv]
-    g: torch.Tensor  # [slots, Hv, CHUNK]
+    g: torch.Tensor  # [slots, Hv, CHUNK] (Gated DeltaNet) or [slots, Hv, CHUNK, Dk] (Kimi Delta Attention)
     beta: torch.Tensor
     conv: torch.Tensor  # [slots, K-1, conv_dim]: the pre-conv rows of the K-1 positions before the next token
 
@@ -51,8 +53,9 @@ class LinearState:
         hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         def z(*shape):
             return torch.zeros(*shape, dtype=torch.float32, device=device)
+        gate = (dk,) if cfg.linear_kind == "kda" else ()  # one gate per key channel (KDA) or per head
         return cls(z(slots, hv, dk, dv), z(slots, hv, CHUNK, dk), z(slots, hv, CHUNK, dk), z(slots, hv, CHUNK, dv),
-                   z(slots, hv, CHUNK), z(slots, hv, CHUNK), z(slots, cfg.linear_conv_kernel_dim - 1, conv_dim(cfg)))
+                   z(slots, hv, CHUNK, *gate), z(slots, hv, CHUNK), z(slots, cfg.linear_conv_kernel_dim - 1, conv_dim(cfg)))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -84,16 +87,21 @@ class _Conv(nn.Module):
 
 
 class GatedNorm(nn.Module):
-    """weight * rms_norm(x) (in x's dtype, as transformers' Qwen3NextRMSNormGated), times SiLU(gate) in float32."""
+    """weight * rms_norm(x) times act(gate) in float32: the weight applied in x's dtype and SiLU (transformers'
+    Qwen3NextRMSNormGated), or with `float_weight` x and the weight in float32 and `gate` another activation
+    (Kimi Linear's KimiLinearRMSNormGated: sigmoid)."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, gate=F.silu, float_weight: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
-        self.eps = eps
+        self.eps, self.act, self.float_weight = eps, gate, float_weight
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = ops.rms_norm(x, self.weight, self.eps).float() * pointwise(F.silu, gate.float())
-        return y.to(x.dtype)
+        if self.float_weight:
+            y = ops.rms_norm(x.float(), self.weight.float(), self.eps)
+        else:
+            y = ops.rms_norm(x, self.weight, self.eps).float()
+        return (y * pointwise(self.act, gate.float())).to(x.dtype)
 
 
 def _layout(t, n: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -132,30 +140,24 @@ def _dense(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return padded.index_select(0, idx.where(idx >= 0, x.shape[0])).view(*table.shape, *x.shape[1:])
 
 
-class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer: int):
-        super().__init__()
-        dt = cfg.torch_dtype
-        self.cfg, self.layer = cfg, layer
-        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.in_proj_qkvz = Linear(cfg.hidden_size, 2 * hk * dk + 2 * hv * dv, False, dt)
-        self.in_proj_ba = Linear(cfg.hidden_size, 2 * hv, False, dt)
-        self.conv1d = _Conv(conv_dim(cfg), cfg.linear_conv_kernel_dim, dt)
-        self.dt_bias = nn.Parameter(torch.ones(hv, dtype=dt))
-        self.A_log = nn.Parameter(torch.empty(hv, dtype=torch.float32).uniform_(1.0, 16.0).log().to(dt))
-        self.norm = GatedNorm(dv, cfg.rms_norm_eps, dt)
-        self.out_proj = Linear(hv * dv, cfg.hidden_size, False, dt)
+class DeltaRuleMixer(nn.Module):
+    """What Gated DeltaNet and Kimi Delta Attention share: the causal conv over [q, k, v] by absolute position,
+    l2-normalised q (scaled by Dk^-0.5) and k, the chunk-synchronised delta rule (ops/delta_rule.py) with its
+    cache, and each row's core output [N, Hv, Dv]. A layer gives its projections (`project`: the conv's input
+    rows and its own per-row values), its gates (`gates`: g and beta, float32, in the [S, L, ...] layout) and
+    its output (`output`)."""
 
-    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
-        """transformers' per-key-head interleave -> (q [N, Hk*Dk], k, v [N, Hv*Dv], z [N, Hv, Dv], b, a [N, Hv])."""
-        cfg, n = self.cfg, qkvz.shape[0]
-        hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        r = hv // hk
-        q, k, v, z = torch.split(qkvz.view(n, hk, 2 * dk + 2 * r * dv), [dk, dk, r * dv, r * dv], dim=2)
-        b, a = torch.split(ba.view(n, hk, 2 * r), [r, r], dim=2)
-        return (q.reshape(n, hk * dk), k.reshape(n, hk * dk), v.reshape(n, hv * dv), z.reshape(n, hv, dv),
-                b.reshape(n, hv), a.reshape(n, hv))
+    hf_name = "self_attn"  # transformers' module name of the layer (Block)
+    l2_divide = False  # ops/delta_rule.l2norm's form
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        raise NotImplementedError
+
+    def gates(self, side: tuple, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def output(self, core: torch.Tensor, side: tuple) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor, t) -> torch.Tensor:
         cfg, n, dev = self.cfg, x.shape[0], x.device
@@ -163,8 +165,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError("linear attention layers do not run under context parallelism; use cp_size=1 for this model")
         hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         kern = cfg.linear_conv_kernel_dim
-        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
-        mixed = torch.cat([q, k, v], dim=1)  # [N, conv_dim], the conv's input rows
+        mixed, side = self.project(x)  # mixed [N, conv_dim]: the conv's input rows [q, k, v]
         table, seq, local, first, slots = _layout(t, n, dev)
         cache = None if slots is None else t.cache.linear[self.layer]
         s, length = table.shape
@@ -192,13 +193,11 @@ class GatedDeltaNet(nn.Module):
         cq, ck, cv = cq.reshape(s, length, hk, dk), ck.reshape(s, length, hk, dk), cv.reshape(s, length, hv, dv)
         if hv != hk:
             cq, ck = cq.repeat_interleave(hv // hk, dim=2), ck.repeat_interleave(hv // hk, dim=2)
-        cq = l2norm(cq) * (dk ** -0.5)
-        ck = l2norm(ck)
-        bd, ad = _dense(b, table).float(), _dense(a, table).float()
-        beta = pointwise(torch.sigmoid, bd)
-        g = -pointwise(torch.exp, self.A_log.float()) * pointwise(F.softplus, ad + self.dt_bias.float())
+        cq = l2norm(cq, divide=self.l2_divide) * (dk ** -0.5)
+        ck = l2norm(ck, divide=self.l2_divide)
+        g, beta = self.gates(side, table)  # g [S, L, Hv] or [S, L, Hv, Dk], beta [S, L, Hv]
         m = valid[..., None].float()
-        beta, g = beta * m, g * m
+        beta, g = beta * m, g * (m if g.dim() == 3 else m[..., None])
         cq, ck, cv = cq * m[..., None], ck * m[..., None], cv * m[..., None]
 
         # -- tiles from the chunk of each sequence's first token ------------------------------------------------
@@ -215,14 +214,16 @@ class GatedDeltaNet(nn.Module):
             out = out[:, :span].view(s, tiles, CHUNK, hv, *((head_dim,) if head_dim else ()))
             return out.transpose(2, 3)  # [S, T, Hv, C, ...]
 
-        tq, tk, tv, tg, tb = placed(cq, dk), placed(ck, dk), placed(cv, dv), placed(g, 0), placed(beta, 0)
+        per_channel = g.dim() == 4
+        tq, tk, tv, tb = placed(cq, dk), placed(ck, dk), placed(cv, dv), placed(beta, 0)
+        tg = placed(g, dk if per_channel else 0)
         if cache is not None:  # the partial chunk's earlier tokens
             keep = (torch.arange(CHUNK, device=dev)[None, :] < offset[:, None])[:, None, :]  # [S, 1, C]
             def joined(tile, pending, extra):
                 first_tile = torch.where(keep.view(s, 1, CHUNK, *([1] * extra)), pending[slots], tile[:, 0])
                 return torch.cat([first_tile.unsqueeze(1), tile[:, 1:]], dim=1)
             tq, tk, tv = joined(tq, cache.q, 1), joined(tk, cache.k, 1), joined(tv, cache.v, 1)
-            tg, tb = joined(tg, cache.g, 0), joined(tb, cache.beta, 0)
+            tg, tb = joined(tg, cache.g, int(per_channel)), joined(tb, cache.beta, 0)
             state = cache.state[slots].masked_fill(fresh.view(-1, 1, 1, 1), 0.0)
         else:
             state = tq.new_zeros(s, hv, dk, dv)
@@ -241,9 +242,103 @@ class GatedDeltaNet(nn.Module):
 
         # -- each row's output ---------------------------------------------------------------------------------
         flat = out.transpose(2, 3).reshape(s, span, hv, dv)
-        core = flat[seq, offset[seq] + local].to(x.dtype)  # [N, Hv, Dv]
-        y = self.norm(core.reshape(n * hv, dv), z.reshape(n * hv, dv)).view(n, hv * dv)
+        return self.output(flat[seq, offset[seq] + local].to(x.dtype), side)  # core [N, Hv, Dv]
+
+
+class GatedDeltaNet(DeltaRuleMixer):
+    hf_name = "linear_attn"
+
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__()
+        dt = cfg.torch_dtype
+        self.cfg, self.layer = cfg, layer
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.in_proj_qkvz = Linear(cfg.hidden_size, 2 * hk * dk + 2 * hv * dv, False, dt)
+        self.in_proj_ba = Linear(cfg.hidden_size, 2 * hv, False, dt)
+        self.conv1d = _Conv(conv_dim(cfg), cfg.linear_conv_kernel_dim, dt)
+        self.dt_bias = nn.Parameter(torch.ones(hv, dtype=dt))
+        self.A_log = nn.Parameter(torch.empty(hv, dtype=torch.float32).uniform_(1.0, 16.0).log().to(dt))
+        self.norm = GatedNorm(dv, cfg.rms_norm_eps, dt)
+        self.out_proj = Linear(hv * dv, cfg.hidden_size, False, dt)
+
+    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
+        """transformers' per-key-head interleave -> (q [N, Hk*Dk], k, v [N, Hv*Dv], z [N, Hv, Dv], b, a [N, Hv])."""
+        cfg, n = self.cfg, qkvz.shape[0]
+        hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        r = hv // hk
+        q, k, v, z = torch.split(qkvz.view(n, hk, 2 * dk + 2 * r * dv), [dk, dk, r * dv, r * dv], dim=2)
+        b, a = torch.split(ba.view(n, hk, 2 * r), [r, r], dim=2)
+        return (q.reshape(n, hk * dk), k.reshape(n, hk * dk), v.reshape(n, hv * dv), z.reshape(n, hv, dv),
+                b.reshape(n, hv), a.reshape(n, hv))
+
+    def project(self, x):
+        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        return torch.cat([q, k, v], dim=1), (z, b, a)
+
+    def gates(self, side, table):
+        _, b, a = side
+        bd, ad = _dense(b, table).float(), _dense(a, table).float()
+        beta = pointwise(torch.sigmoid, bd)
+        g = -pointwise(torch.exp, self.A_log.float()) * pointwise(F.softplus, ad + self.dt_bias.float())
+        return g, beta
+
+    def output(self, core, side):
+        n, hv, dv = core.shape
+        y = self.norm(core.reshape(n * hv, dv), side[0].reshape(n * hv, dv)).view(n, hv * dv)
         return self.out_proj(y)
+
+
+class KimiDeltaAttention(DeltaRuleMixer):
+    """Kimi Delta Attention (transformers' KimiLinearDeltaAttention; parameter names as Kimi Linear's files):
+    q_proj / k_proj / v_proj into the one causal conv (`conv1d`, the files' q_conv1d, k_conv1d, v_conv1d stacked)
+    + SiLU; a per-key-channel forget gate g = -exp(A_log[h]) * softplus(f_b_proj(f_a_proj(x)) + dt_bias) (float32);
+    beta = sigmoid(b_proj(x)); q and k l2-normalised as x / sqrt(sum x^2 + eps); the gated delta rule with the
+    per-channel decay (ops/delta_rule.py, the same arithmetic as Gated DeltaNet's); the output norm (`o_norm`:
+    rms-normalised in float32 times its weight, times sigmoid(g_b_proj(g_a_proj(x)))) and o_proj. H heads of
+    size D for queries, keys and values alike (linear_num_*_heads, linear_*_head_dim).
+    Deviation from transformers: beta's sigmoid in float32 (transformers: the model dtype), as Gated DeltaNet's."""
+
+    l2_divide = True
+
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__()
+        dt = cfg.torch_dtype
+        self.cfg, self.layer = cfg, layer
+        h, d, hidden = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.hidden_size
+        self.q_proj = Linear(hidden, h * d, False, dt)
+        self.k_proj = Linear(hidden, h * d, False, dt)
+        self.v_proj = Linear(hidden, h * d, False, dt)
+        self.conv1d = _Conv(conv_dim(cfg), cfg.linear_conv_kernel_dim, dt)
+        self.f_a_proj = Linear(hidden, d, False, dt)
+        self.f_b_proj = Linear(d, h * d, False, dt)
+        self.dt_bias = nn.Parameter(torch.zeros(h * d, dtype=dt))
+        self.A_log = nn.Parameter(torch.empty(1, 1, h, 1, dtype=torch.float32).uniform_(1.0, 16.0).log().to(dt))
+        self.b_proj = Linear(hidden, h, False, dt)
+        self.g_a_proj = Linear(hidden, d, False, dt)
+        self.g_b_proj = Linear(d, h * d, False, dt)
+        self.o_norm = GatedNorm(d, cfg.rms_norm_eps, dt, gate=torch.sigmoid, float_weight=True)
+        self.o_proj = Linear(h * d, hidden, False, dt)
+
+    def project(self, x):
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=1)
+        return mixed, (self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.g_b_proj(self.g_a_proj(x)))
+
+    def gates(self, side, table):
+        f, b, _ = side
+        h, d = self.cfg.linear_num_value_heads, self.cfg.linear_value_head_dim
+        fd = _dense(f, table).float() + self.dt_bias.float()
+        rate = pointwise(torch.exp, self.A_log.float().view(h, 1))
+        g = -rate * pointwise(F.softplus, fd).view(*table.shape, h, d)
+        return g, pointwise(torch.sigmoid, _dense(b, table).float())
+
+    def output(self, core, side):
+        n, h, d = core.shape
+        y = self.o_norm(core.reshape(n * h, d), side[2].reshape(n * h, d)).view(n, h * d)
+        return self.o_proj(y)
+
+
+LINEAR_LAYERS = {"gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention}  # by DecoderConfig.linear_kind
 
 
 class GatedAttention(nn.Module):

@@ -1,9 +1,15 @@
-"""The gated delta rule (Gated DeltaNet, Qwen3-Next / Qwen3.5) in chunk-synchronised tiles: one arithmetic for
-the learner's forward, prefill, decode and chunked prefill.
+"""The gated delta rule (Gated DeltaNet, Qwen3-Next / Qwen3.5; Kimi Delta Attention, Kimi Linear) in
+chunk-synchronised tiles: one arithmetic for the learner's forward, prefill, decode and chunked prefill.
 
-The recurrence, per value head, with a float32 state S [Dk, Dv]:
+The recurrence, per value head, with a float32 state S [Dk, Dv] and a decay D_t = diag(exp(g_t)):
 
-    S_t = exp(g_t) S_{t-1} + k_t beta_t (v_t - exp(g_t) S_{t-1}^T k_t)^T        o_t = S_t^T q_t
+    S_t = D_t S_{t-1} + k_t beta_t (v_t - (D_t S_{t-1})^T k_t)^T        o_t = S_t^T q_t
+
+Gated DeltaNet's gate g_t is one number per head (D_t a multiple of the identity); Kimi Delta Attention's is one
+per key channel (g_t [Dk]). The same code runs both: the gate's shape picks how the decayed pair products
+q_i . k_j exp(G_i - G_j) are formed (a scalar factor on a product of the whole tile, or the channels' decays
+inside the product), and everything else (the UT solve, the state commits, the inter-chunk part) broadcasts the
+gate over a trailing axis of size 1 or Dk.
 
 Scheme. Positions are cut into chunks of CHUNK tokens at absolute multiples of CHUNK (0, 64, 128, ...), never at
 the start of a call. The state is committed only at chunk boundaries, by the chunked (WY / UT-transform) form of
@@ -48,12 +54,16 @@ def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
     return (y[:n] if pad else y).view(x.shape)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (float32), the sum in a fixed order (left to right)."""
+def l2norm(x: torch.Tensor, eps: float = 1e-6, divide: bool = False) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (float32), the sum in a fixed order (left to right): as x times
+    rsqrt (Gated DeltaNet, transformers' Qwen3-Next) or, with `divide`, x divided by sqrt (Kimi Delta Attention,
+    as FLA's kernel and transformers' Kimi Linear)."""
     sq = x * x
     total = sq[..., 0]
     for j in range(1, x.shape[-1]):
         total = total + sq[..., j]
+    if divide:
+        return x / pointwise(torch.sqrt, total + eps).unsqueeze(-1)
     return x * pointwise(torch.rsqrt, total + eps).unsqueeze(-1)
 
 
@@ -80,28 +90,42 @@ def _masks(device) -> tuple[torch.Tensor, torch.Tensor]:
     return ones.tril(), ones.tril(-1)
 
 
+def _decayed(q: torch.Tensor, kb: torch.Tensor, k: torch.Tensor, gc: torch.Tensor,
+             incl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_i . k_j exp(G_i - G_j), kb_i . k_j exp(G_i - G_j)) of each tile, [.., C, C], exact zeros for j > i. gc:
+    the cumulative gates [.., C, 1] (one per head: the products of the whole tile times one decay matrix) or
+    [.., C, Dk] (one per key channel: each pair's channels decayed inside the product, as one fixed-shape
+    [C, Dk] @ [Dk, 1] product per row i: exp(G_i - G_j) never splits into factors that overflow)."""
+    if gc.shape[-1] == 1:
+        g1 = gc.squeeze(-1)
+        gamma = pointwise(torch.exp, (g1.unsqueeze(-1) - g1.unsqueeze(-2)).masked_fill(~incl, float("-inf")))
+        kt = k.transpose(-1, -2)
+        return bmm(q, kt) * gamma, bmm(kb, kt) * gamma
+    decay = pointwise(torch.exp, (gc.unsqueeze(-2) - gc.unsqueeze(-3)).masked_fill(~incl.unsqueeze(-1), float("-inf")))
+    kd = k.unsqueeze(-3) * decay  # [.., i, j, Dk]: k_j decayed from j to i, zero past i
+    return bmm(kd, q.unsqueeze(-1)).squeeze(-1), bmm(kd, kb.unsqueeze(-1)).squeeze(-1)
+
+
 def chunk_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, complete: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The tiles of S sequences, float32: q, k [S, T, H, C, Dk] (q already l2-normalised and scaled, k
-    l2-normalised), v [S, T, H, C, Dv], g (log decay, <= 0) and beta [S, T, H, C]; tile i of a sequence is its
-    chunk number i from its first, zeros after its last token. state [S, H, Dk, Dv]: the committed state at the
-    first tile's start. complete [S, T] (bool): whether tile i is a whole chunk (its state is committed).
+    l2-normalised), v [S, T, H, C, Dv], g (log decay, <= 0) [S, T, H, C] (one per head) or [S, T, H, C, Dk] (one
+    per key channel), beta [S, T, H, C]; tile i of a sequence is its chunk number i from its first, zeros after
+    its last token. state [S, H, Dk, Dv]: the committed state at the first tile's start. complete [S, T] (bool):
+    whether tile i is a whole chunk (its state is committed).
     Returns (outputs [S, T, H, C, Dv], the state after the last complete tile [S, H, Dk, Dv])."""
     incl, strict = _masks(q.device)
-    gc = g.cumsum(-1)  # [S, T, H, C]: a fixed sequential order along the chunk
-    gamma = pointwise(torch.exp, (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~incl, float("-inf")))
-    kt = k.transpose(-1, -2)
+    gc = (g if g.dim() == q.dim() else g.unsqueeze(-1)).cumsum(-2)  # [S, T, H, C, 1 | Dk]: a fixed order along the chunk
     kb = k * beta.unsqueeze(-1)
-    system = bmm(kb, kt) * gamma  # the strictly lower part is the UT system's (the diagonal is not read)
-    system = system.masked_fill(~strict, 0.0)
-    egc = pointwise(torch.exp, gc).unsqueeze(-1)
+    attn, system = _decayed(q, kb, k, gc, incl)
+    system = system.masked_fill(~strict, 0.0)  # the UT system's strictly lower part (the diagonal is not read)
+    egc = pointwise(torch.exp, gc)
     u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, kb * egc, upper=False, unitriangular=True)
-    attn = bmm(q, kt) * gamma
     qd = q * egc
-    last = gc[..., -1:]
-    kd = k * pointwise(torch.exp, last - gc).unsqueeze(-1)
-    chunk_decay = pointwise(torch.exp, last).unsqueeze(-1)  # [S, T, H, 1, 1]
+    last = gc[..., -1:, :]
+    kd = k * pointwise(torch.exp, last - gc)
+    chunk_decay = pointwise(torch.exp, last).transpose(-1, -2)  # [S, T, H, 1 | Dk, 1]: the state's rows' decay
     outs = []
     for i in range(q.shape[1]):
         v_new = u[:, i] - bmm(w[:, i], state)

@@ -115,6 +115,11 @@ class Family:
 
     per_expert: re.Pattern | None = None  # the names of per-expert file tensors (None: experts are stored stacked)
 
+    def alias(self, name: str) -> str:
+        """A file tensor's name as the model spells it, where a checkpoint spells the same tensor otherwise (Kimi
+        Linear: `block_sparse_moe.` for `mlp.`); applied before file_shapes / stack see the names."""
+        return name
+
     def file_shapes(self, shapes: dict[str, tuple], cfg: DecoderConfig) -> dict[str, tuple]:
         """The file names and shapes of the file layout for a model's parameter shapes."""
         return shapes
