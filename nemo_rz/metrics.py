@@ -38,6 +38,7 @@ def mismatch_metrics(lp_a: torch.Tensor, lp_b: torch.Tensor, mask: torch.Tensor)
       ess                      (sum rho)^2 / (n sum rho^2) (effective sample size as a fraction of n)
       diff_tokens              count of tokens whose two logprobs are not bitwise equal
       max_abs_diff             max |d|
+      abs_diff_seq_mean        mean over the sequences (rows with a valid token) of each one's mean |d|
       n_tokens                 n
     With n = 0 the means are 0, rho_min = rho_max = ess = 1 (no evidence of a gap); check n_tokens.
     """
@@ -51,11 +52,16 @@ def mismatch_metrics(lp_a: torch.Tensor, lp_b: torch.Tensor, mask: torch.Tensor)
         diff_tokens = int((a.double() != b.double()).sum())
     if n == 0:
         return dict(k1=0.0, k2=0.0, k3=0.0, is_dev=0.0, rho_min=1.0, rho_max=1.0, token_mult_prob_error=1.0,
-                    chi2=0.0, ess=1.0, diff_tokens=0, max_abs_diff=0.0, n_tokens=0)
+                    chi2=0.0, ess=1.0, diff_tokens=0, max_abs_diff=0.0, abs_diff_seq_mean=0.0, n_tokens=0)
     d = a.double() - b.double()
     rho = torch.exp(d)
     em1 = torch.expm1(d)                    # rho - 1 without cancellation near rho = 1
     sum_rho, sum_rho2 = rho.sum(), (rho * rho).sum()
+    rows = valid.reshape(-1, valid.shape[-1]) if valid.dim() else valid.reshape(1, 1)
+    row_abs = torch.zeros(rows.shape, dtype=torch.float64, device=d.device)
+    row_abs[rows] = d.abs()  # (valid[mask] is row-major: the same order as d)
+    per_row = rows.sum(-1)
+    seq_abs = (row_abs.sum(-1)[per_row > 0] / per_row[per_row > 0]).mean()
     return dict(
         k1=(-d).mean().item(),
         k2=(d * d / 2).mean().item(),
@@ -68,6 +74,7 @@ def mismatch_metrics(lp_a: torch.Tensor, lp_b: torch.Tensor, mask: torch.Tensor)
         ess=(sum_rho * sum_rho / (n * sum_rho2)).item() if sum_rho2 > 0 else 0.0,
         diff_tokens=diff_tokens,
         max_abs_diff=d.abs().max().item(),
+        abs_diff_seq_mean=seq_abs.item(),
         n_tokens=n,
     )
 

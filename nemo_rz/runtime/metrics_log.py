@@ -10,6 +10,7 @@ from pathlib import Path
 
 from nemo_rz import atomic
 from nemo_rz.errors import BadInput
+from nemo_rz.runtime.peer_metrics import peer_names
 
 
 def _open(path: Path, flags: int) -> int:
@@ -34,6 +35,8 @@ class MetricsLog:
         self.backends = []  # runtime.loggers back-ends (log(scalars, step), close()), set by the caller (train.py)
 
     def write(self, record: dict) -> None:
+        """Append `record`, with its mismatch metrics also under the peers' names (peer_metrics.py)."""
+        record = {**record, **peer_names(record)}
         with os.fdopen(_open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.backends:

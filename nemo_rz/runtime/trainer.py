@@ -19,9 +19,9 @@ from nemo_rz import schema
 from nemo_rz.algorithms import group_advantages
 from nemo_rz.errors import DivergenceError
 from nemo_rz.generation.packing import pack
-from nemo_rz.metrics import RunningPeakMedian, lag_histogram
+from nemo_rz.metrics import RunningPeakMedian, lag_histogram, mismatch_metrics
 from nemo_rz.protocols import RuntimeBackendProtocol
-from nemo_rz.runtime import build, checkpoint, runlock
+from nemo_rz.runtime import build, checkpoint, peer_metrics, runlock
 from nemo_rz.runtime.evaluation import HeldOutEval
 from nemo_rz.runtime.jobs import Job, Result, decode_completions, encode_completions
 from nemo_rz.runtime.metrics_log import MetricsLog
@@ -170,6 +170,8 @@ class Trainer:
             rollout_tokens_per_s=res.tokens / max(res.seconds, 1e-9), learner_tokens_per_s=tokens / max(learn_s, 1e-9),
             queue_wait_s=self.queue_wait, elapsed_s=time.time() - self.start_time,
         )
+        gap = mismatch_metrics(lp, batch.rollout_logprobs, batch.mask)  # the loss's own metrics may be a plugin's
+        record.update({k: gap[k] for k in peer_metrics.OWN_KEYS})
         record.update({k: v for k, v in metrics.items() if k.startswith("draft_")})
         if res.spec.get("spec_verify"):  # what the rollout engine measured (the draft_* numbers are estimates)
             s = res.spec
