@@ -186,3 +186,42 @@ def test_stock_vllm_greedy_equals_nemo_rz(fresh_run, tmp_path, monkeypatch):
         del llm
     assert [list(r.prompt_token_ids) for r in res] == [CharTokenizer().encode(t, bos=True) for t in prompts]
     assert [list(r.outputs[0].token_ids) for r in res] == expected
+
+
+def test_eagle_draft_exports_beside_the_policy_and_loads_back(tmp_path):
+    """A run that co-trains an EAGLE-3 draft (reduced vocabulary) keeps it in its checkpoint as the bundle's "draft"
+    part; the export writes it as OUT_DIR/draft.pt (save_draft's format), which load_draft reads back against the
+    exported policy: the same tensors and the same draft logits. Negative controls: a run without a draft writes no
+    draft.pt, and the saved draft refuses a target of another width in one line."""
+    from nemo_rz.models.draft import DraftHead, load_draft
+    from nemo_rz.tools.export import DRAFT_FILE
+
+    draft_cfg = ("draft.mode=cotrain", "draft.aux_layers=[0,1]", "draft.num_layers=1", "draft.vocab_size=16")
+    model = make_run(tmp_path / "run", *draft_cfg)
+    torch.manual_seed(3)
+    head = DraftHead(model.config, [0, 1], 1, 16)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+        head.vocab.copy_(torch.randperm(model.config.vocab_size)[:16].sort().values)
+    # the checkpoint as a co-training run writes it: the policy and the draft part in one flat state
+    flat = {**model.state_dict(), **{f"draft.{k}": v for k, v in head.state_dict().items()}}
+    ckpt = tmp_path / "run" / "checkpoints"
+    checkpoint.save(ckpt, flat, {}, {}, {"version": 4}, keep=2)
+    out = export(tmp_path / "run", tmp_path / "out")
+    assert (out / DRAFT_FILE).is_file()
+    target = load_hf(out)
+    loaded = load_draft(out / DRAFT_FILE, target)
+    assert loaded.spec() == head.spec()
+    mine, theirs = head.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    g = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded.logits(target, g), head.logits(model, g))
+    # negative controls
+    make_run(tmp_path / "plain")
+    assert not (export(tmp_path / "plain", tmp_path / "plain_out") / DRAFT_FILE).exists()
+    wider = make_run(tmp_path / "wide", "model.hidden_size=96")
+    with pytest.raises(ValueError, match="hidden_size") as e:
+        load_draft(out / DRAFT_FILE, wider)
+    assert "\n" not in str(e.value)
