@@ -264,3 +264,33 @@ def test_co_training_through_the_aux_loss_hook_leaves_the_policy_update_unchange
     assert m0["grad_norm"] == m1["grad_norm"] and "draft_loss" in m1 and "draft_loss" not in m0
     assert not torch.equal(before["layers.0.eh_proj.weight"], draft["layers.0.eh_proj.weight"])  # the MTP stepped
     assert torch.equal(before["layers.0.shared_head.head.weight"], draft["layers.0.shared_head.head.weight"])  # frozen
+
+
+def test_a_runs_mtp_draft_exports_into_the_checkpoint_and_loads_back(ckpt, tmp_path):
+    """draft.kind=mtp: the export writes the run's trained MTP layer as the checkpoint's own model.layers.{L}
+    (num_nextn_predict_layers), which load_mtp reads back against the exported policy bit for bit. Negative control:
+    the base checkpoint's MTP layer (what an export that copied the start checkpoint would hold) differs."""
+    from test_export import make_run
+
+    from nemo_rz.runtime import checkpoint
+    from nemo_rz.tools.export import DRAFT_FILE, export
+
+    path = ckpt[0]
+    model = make_run(tmp_path / "run", f"model.hf_path={path}", "model.tokenizer=char", "draft.mode=cotrain",
+                     "draft.kind=mtp")
+    head = load_mtp(path, model)
+    with torch.no_grad():  # the draft moved by training
+        g = torch.Generator().manual_seed(5)
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    flat = {**model.state_dict(), **{f"draft.{k}": v for k, v in head.state_dict().items()}}
+    checkpoint.save(tmp_path / "run" / "checkpoints", flat, {}, {}, {"version": 4}, keep=2)
+    out = export(tmp_path / "run", tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert not (out / DRAFT_FILE).exists()  # the MTP layer lives in the checkpoint itself
+    target = load_hf(out)
+    again = load_mtp(out, target)
+    mine, theirs = head.state_dict(), again.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    base = load_mtp(path, model).state_dict()
+    assert not torch.equal(base["layers.0.eh_proj.weight"], theirs["layers.0.eh_proj.weight"])
