@@ -203,9 +203,23 @@ def test_check_script_counts_the_mismatch_of_each_stage(tmp_path):
     got = check.check(path, "bfloat16", provider, rows=8, length=48)
     assert got["consistent spec + output hook, dense"][0] == 0 and got["consistent spec + output hook, packed"][0] == 0
     assert got["consistent spec + output hook + the loss's VocabParallelLogprobs, packed"][0] == 0
-    for what in ("consistent spec, stock output layer, packed", "... + NeMo RL's log-softmax, packed"):
+    # Megatron's output layer is a negative control where this CPU's bfloat16 GEMM is not row-invariant (Intel
+    # AVX-512 and AMD AVX2 machines). On AMD Zen 4 torch's bfloat16 GEMM is row-invariant and rounds like the
+    # consistent route at all but ~2e-5 of the logits, so it may differ at no token. NeMo RL's log-softmax differs.
+    stock_varies = not _stock_bf16_gemm_row_invariant(128, 4096)
+    for what, must_differ in (("consistent spec, stock output layer, packed", stock_varies),
+                              ("... + NeMo RL's log-softmax, packed", True)):
         diff, n, worst = got[what]
-        assert 0 < diff <= n and 0 < worst < 0.1, (what, got[what])
+        assert (0 < diff or not must_differ) and diff <= n and worst < 0.1, (what, got[what])
+
+
+def _stock_bf16_gemm_row_invariant(k: int, n: int, rows: int = 64) -> bool:
+    """Whether torch's own bfloat16 x @ w.T [rows, k] x [k, n] gives each row the bits it has alone (this CPU's)."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    full = F.linear(x, w)
+    return all(torch.equal(F.linear(x[i : i + 1], w), full[i : i + 1]) for i in range(rows))
 
 
 # ------------------------------------------------------------------ the kit: megatron_consistent.yaml and the driver
