@@ -157,7 +157,9 @@ class RolloutEngine:
             raise ValueError("RolloutEngine: pass a speculator or a policy, not both (a speculator is a policy)")
         # A linear-attention model's state (models/linear_attention.py) holds no per-position entries to copy or
         # roll back: no prefix-cache hits, no twin forks, no speculative rejections (its requests compute their prompts).
-        self._linear = model.config.has_linear_attention
+        # DeepSeek-V4's compressors' state (models/deepseek_v4.py) is not copied by prefix hits or twin forks yet:
+        # its requests compute their prompts too.
+        self._linear = model.config.has_linear_attention or model.config.attention_kind == "deepseek_v4"
         if self._linear and (policy is not None and not isinstance(policy, PlainPolicy) or speculator is not None):
             raise ValueError("RolloutEngine: speculative decoding is not supported for linear-attention models "
                              "(a rejected proposal cannot be taken out of the recurrent state); use plain decoding")

@@ -22,7 +22,9 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 MOE_KINDS = ("qwen3", "gpt_oss", "deepseek")
 # "gqa": per-head queries, keys and values (num_kv_heads key heads); "mla": multi-head latent attention
 # (models/mla.py): one latent key head of kv_lora_rank + head_dim (the decoupled RoPE part) per token.
-ATTENTION_KINDS = ("gqa", "mla")
+# "deepseek_v4": DeepSeek-V4's shared-KV attention over a sliding window and compressed entries, with
+# hyper-connections (models/deepseek_v4.py; its own hyper-parameters in `deepseek_v4`)
+ATTENTION_KINDS = ("gqa", "mla", "deepseek_v4")
 # the linear_attention layers (models/linear_attention.py): "gated_deltanet": Gated DeltaNet, one decay per head
 # (Qwen3-Next); "kda": Kimi Delta Attention, one decay per key channel (Kimi Linear)
 LINEAR_KINDS = ("gated_deltanet", "kda")
@@ -89,6 +91,7 @@ class DecoderConfig:
     linear_conv_kernel_dim: int = 4
     attention_output_gate: bool = False  # full attention times sigmoid(a per-head gate from q_proj) (Qwen3-Next)
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * this dimensions of each head
+    deepseek_v4: dict | None = None  # attention_kind "deepseek_v4": models/deepseek_v4.py's V4 keys
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -190,6 +193,15 @@ class DecoderConfig:
                                  "= linear_value_head_dim")
         if not isinstance(self.use_rope, bool):
             raise ValueError(f"DecoderConfig.use_rope = {self.use_rope!r}: must be true or false")
+        if self.attention_kind == "deepseek_v4":
+            from nemo_rz.models.deepseek_v4 import params
+
+            params(self)  # raises on a bad deepseek_v4 dict
+            if self.num_kv_heads != 1 or self.sliding_window is None or not self.num_experts:
+                raise ValueError("DecoderConfig: attention_kind='deepseek_v4' needs num_kv_heads=1, a sliding_window and "
+                                 "num_experts > 0 (every V4 layer is a mixture of experts)")
+        elif self.deepseek_v4 is not None:
+            raise ValueError("DecoderConfig.deepseek_v4 is set but attention_kind is not 'deepseek_v4'; set both or neither")
         rot = self.head_dim * self.partial_rotary_factor
         if not (0 < self.partial_rotary_factor <= 1) or rot != int(rot) or int(rot) % 2:
             raise ValueError(f"DecoderConfig.partial_rotary_factor = {self.partial_rotary_factor!r}: head_dim times it "

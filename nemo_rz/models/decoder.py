@@ -60,6 +60,7 @@ class KVCache:
     length: int | None = None  # positions served per sequence (None: the first layer's slots)
     windows: list[int | None] | None = None  # each layer's attention window (None: full), for the prefix cache
     linear: dict | None = None  # {layer: models.linear_attention.LinearState} of a hybrid model's linear layers
+    compressed: object | None = None  # DeepSeek-V4's compressors' state (models.deepseek_v4.CompressedState)
 
     @property
     def max_len(self) -> int:
@@ -217,6 +218,10 @@ class Body(nn.Module):
                 cfg.vocab_size, cfg.hidden_size, cfg.torch_dtype), cfg.torch_dtype))
         self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
         self.norm = norm(cfg)
+        if cfg.attention_kind == "deepseek_v4":  # the layers run on hc_mult streams: expanded here, collapsed by it
+            from nemo_rz.models.deepseek_v4 import HyperHead
+
+            self.hc_head = HyperHead(cfg)
 
 
 class Decoder(nn.Module):
@@ -241,9 +246,12 @@ class Decoder(nn.Module):
         x = ops.embedding(t.ids, self.model.embed_tokens.weight)
         if cfg.embed_scale:
             x = x * embed_scale(cfg).to(x.device)
+        streams = getattr(self.model, "hc_head", None)
+        if streams is not None:
+            x = streams.expand(x)
         for layer in self.model.layers:
             x = layer(x, t)
-        return self.model.norm(x)
+        return self.model.norm(x if streams is None else streams(x))
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -330,12 +338,13 @@ class Decoder(nn.Module):
         def slots(window: int | None, layer: int) -> int:
             if cfg.is_linear(layer):  # no keys: its state is a LinearState (never read or written as keys)
                 return ops.KV_BLOCK
-            if window is None or step_tokens is None or dev.type == "cuda":
+            if window is None or step_tokens is None or dev.type == "cuda" or v4:  # V4: keys by position
                 return max_len
             ring = window - 1 + step_tokens
             return min(max_len, ring + (-ring) % ops.KV_BLOCK)
 
-        latent = cfg.attention_kind == "mla"  # one latent row per token (models/mla.py): keys and values alike
+        v4 = cfg.attention_kind == "deepseek_v4"  # one shared key/value row per token, and compressors' state
+        latent = cfg.attention_kind == "mla" or v4  # one latent row per token (models/mla.py): keys and values alike
         dim = cfg.kv_lora_rank + cfg.head_dim if latent else cfg.head_dim
         shapes = [(num_seqs, cfg.num_kv_heads, slots(w, i), dim) for i, w in enumerate(cfg.windows())]
         def make():
@@ -347,7 +356,12 @@ class Decoder(nn.Module):
             from nemo_rz.models.linear_attention import LinearState
 
             linear = {i: LinearState.new(cfg, num_seqs, dev) for i in range(cfg.num_layers) if cfg.is_linear(i)}
-        return KVCache(k, list(k) if latent else make(), max_len, cfg.windows(), linear)
+        compressed = None
+        if v4:
+            from nemo_rz.models.deepseek_v4 import CompressedState
+
+            compressed = CompressedState.new(cfg, num_seqs, max_len, dev)
+        return KVCache(k, list(k) if latent else make(), max_len, cfg.windows(), linear, compressed)
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, seq_idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run query tokens of any mix of sequences against (and into) `cache`; returns hidden [N, hidden]."""

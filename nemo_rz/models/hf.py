@@ -212,7 +212,9 @@ def _check(found: dict[str, tuple[tuple, str]], expected: dict[str, tuple], wher
     extra = [n for n in found if n not in expected]
     bad_shape = [f"{n} is {list(shape)} not {list(expected[n])}" for n, (shape, _) in found.items()
                  if n in expected and shape != expected[n]]
-    bad_type = [f"{n} ({dtype})" for n, (_, dtype) in found.items() if n in expected and dtype not in _SAFETENSORS_FLOAT]
+    integers = _family(cfg, arch).integers  # a family's integer tensors (DeepSeek-V4's tid2eid)
+    bad_type = [f"{n} ({dtype})" for n, (_, dtype) in found.items() if n in expected and dtype not in _SAFETENSORS_FLOAT
+                and not (integers is not None and integers.search(n) and dtype in ("I64", "I32"))]
     if missing:
         raise ModelFileError(
             f"{len(missing)} tensor(s) missing from {where}: {_names(missing)}; the weights do not match config.json "
@@ -252,6 +254,8 @@ def _owned(t: torch.Tensor, cfg: DecoderConfig, like: torch.Tensor | None) -> to
     # row-invariant BLAS paths and fast SIMD loads expect (and tied to a mapping of the file). In the layout of
     # the parameter `like` it becomes (a Linear weight's [K, N] storage, models/layers.py), where there is one.
     # A float32 tensor of a bfloat16 model (DeepSeek's e_score_correction_bias buffer) stays float32.
+    if not t.dtype.is_floating_point:  # an integer table a family declares (Family.integers): kept as it is
+        return t.clone(memory_format=torch.contiguous_format)
     dtype = torch.float32 if like is not None and like.dtype == torch.float32 else cfg.torch_dtype
     if like is not None and tuple(like.shape) == tuple(t.shape):
         return laid_out_like(t, like, dtype)

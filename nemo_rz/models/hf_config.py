@@ -275,6 +275,7 @@ def config_from_hf(d: dict, source: str = CONFIG_FILE, dtype: str | torch.dtype 
         raise ModelFileError(f"{source} holds a {type(d).__name__}, not a JSON object; fix or re-download config.json")
     arch = architecture_of(d, source)
     fam = _families().by_architecture(arch)
+    d = fam.normalized(d, source)
     quant = d.get("quantization_config")
     if quant and (not isinstance(quant, dict) or quant.get("quant_method") not in QUANTIZED_CHECKPOINTS):
         method = quant.get("quant_method") if isinstance(quant, dict) else quant

@@ -232,6 +232,10 @@ class SandwichBlock(nn.Module):
 
 
 def block(cfg: DecoderConfig, layer: int) -> nn.Module:
+    if cfg.attention_kind == "deepseek_v4":  # hyper-connected streams, its own attention and MoE
+        from nemo_rz.models.deepseek_v4 import DeepseekV4Block
+
+        return DeepseekV4Block(cfg, layer)
     return SandwichBlock(cfg, layer) if cfg.sandwich_norm else Block(cfg, layer)
 
 

@@ -99,6 +99,11 @@ class Family:
         """(the DecoderConfig MoE keys, the MoE layers), None for a dense family."""
         return None
 
+    def normalized(self, d: dict, source: str) -> dict:
+        """config.json as the generic reader (hf_config.config_from_hf) takes it: a family whose keys differ
+        (DeepSeek-V4) returns a translated copy; the rest return d."""
+        return d
+
     # -- DecoderConfig -> config.json ------------------------------------------------------------------------
     def natural(self, cfg: DecoderConfig) -> bool:
         """Whether a model with `cfg` is saved as this family by default (hf_config.architecture_for)."""
@@ -114,6 +119,7 @@ class Family:
         return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
     per_expert: re.Pattern | None = None  # the names of per-expert file tensors (None: experts are stored stacked)
+    integers: re.Pattern | None = None  # the names of integer file tensors (DeepSeek-V4's hash table); others are float
 
     def alias(self, name: str) -> str:
         """A file tensor's name as the model spells it, where a checkpoint spells the same tensor otherwise (Kimi
