@@ -168,6 +168,15 @@ def logged_run(tmp_path_factory):
     return run, [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+# -- MKL's code path on this CPU --------------------------------------------------------------------------------
+def mkl_avx512_path() -> bool:
+    """Whether MKL's sgemm takes its AVX-512 code path here (Intel CPUs with AVX-512; on AMD ones, Zen 4 included,
+    MKL runs its AVX2 path, whose row counts and block rule differ)."""
+    from nemo_rz.kernels import cpu as cpu_kernels
+
+    return torch.backends.mkl.is_available() and cpu_kernels.MKL_ORDER == cpu_kernels.AVX512
+
+
 # -- the Triton interpreter on this CPU ------------------------------------------------------------------------
 def interpreting() -> bool:
     """Whether Triton kernels run under its interpreter (TRITON_INTERPRET, which the kernel test modules default to 1)."""

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from conftest import mkl_avx512_path
 
 from nemo_rz.ops import probe_cache, verified
 
@@ -225,8 +226,8 @@ def test_a_route_the_probe_cannot_give_is_refused(cache, monkeypatch, value):
     assert route(torch.exp, "exp64") == first and probes.count == 1
 
 
-@pytest.mark.skipif(not (torch.backends.mkl.is_available() and torch.backends.cpu.get_cpu_capability() == "AVX512"),
-                    reason="the matrix-vector path of MKL on AVX-512 CPUs")
+@pytest.mark.skipif(not mkl_avx512_path(),
+                    reason="the matrix-vector path of MKL on AVX-512 CPUs (Intel's: MKL takes its AVX2 path on AMD CPUs)")
 def test_a_poisoned_gemm_route_is_caught(cache, monkeypatch):
     """On the real library: a GEMM route claiming single rows (MKL's matrix-vector path gives them other bits)."""
     first = verified.matmul_route(576, 1536, torch.float32, "cpu")

@@ -3,7 +3,7 @@ row's bits whatever the row count or thread count, gradients repeat bit for bit,
 accurate at real vocabulary sizes."""
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import mkl_avx512_path, tiny_model
 
 from nemo_rz import ops
 from nemo_rz.ops import verified
@@ -61,8 +61,8 @@ def test_by_rows_pads_and_chunks():
         assert all(4 <= s <= 64 for s in seen), (m, seen)
 
 
-@pytest.mark.skipif(not (torch.backends.mkl.is_available() and torch.backends.cpu.get_cpu_capability() == "AVX512"),
-                    reason="the routes measured for MKL on AVX-512 CPUs")
+@pytest.mark.skipif(not mkl_avx512_path(),
+                    reason="the routes measured for MKL on AVX-512 CPUs (Intel's: MKL takes its AVX2 path on AMD CPUs)")
 def test_platform_gemm_keeps_its_routes():
     """Fails if the BLAS changes behaviour here: with a contiguous [K, N] weight, MKL's GEMM is row-invariant
     from 2 rows up to a chunk at the shapes of a real model (a single row takes the matrix-vector path)."""
