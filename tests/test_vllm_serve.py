@@ -2,8 +2,8 @@
 
 One server for the module, on 127.0.0.1 and a free port, serving a run's export (tests/test_export.make_run: the
 default tiny job's Qwen3 over the character tokenizer, weights moved from their start). Concurrent /v1/completions
-requests of mixed prompt lengths (token-id prompts and text prompts through the exported tokenizer) return token
-logprobs that equal the learner's `Decoder.token_logprobs` on prompt + completion as float32 (conftest.count_diff:
+requests of mixed prompt lengths (token-id prompts and text prompts through the exported tokenizer), and
+/v1/chat/completions requests, return token logprobs that equal the learner's `Decoder.token_logprobs` on prompt + completion as float32 (conftest.count_diff:
 all completions padded into one batch, as in training). Negative control: the same comparison against the
 learner with one weight matrix moved by one ulp finds differences. The request guard answers HTTP 400 to sampling
 the recorded logprobs would not describe; the tool refuses settings that break consistency in one line.
@@ -73,10 +73,13 @@ def server(exported, request):
     model, out, root = exported
     port = _free_port()
     log = root / "server.log"
+    template = root / "chat.jinja"  # the character tokenizer has no chat template: the turns' text, in order
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "nemo_rz.tools.serve", str(out), "--port", str(port), "--max-model-len", str(MAX_LEN),
-             "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0", "--served-model-name", "rz"],
+             "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0", "--served-model-name", "rz",
+             "--chat-template", str(template)],
             stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     request.addfinalizer(lambda: _stop(proc))
     deadline = time.monotonic() + STARTUP_S
@@ -139,6 +142,28 @@ def test_concurrent_completions_return_the_learners_logprobs(server):
     # the same seed and prompt again: the same tokens and logprobs (prefix cache hit or not)
     again = _complete(client, prompts[3], 103)
     assert again.token_ids == outs[3].token_ids and torch.equal(again.logprobs, outs[3].logprobs)
+
+
+def test_chat_completions_return_the_learners_logprobs(server):
+    """The chat endpoint (what agent loops call): the same engine path, the same bits."""
+    model, base_url = server
+    client = _client(base_url)
+
+    def chat(text, seed):
+        r = client.chat.completions.create(model="rz", messages=[{"role": "user", "content": text}], max_tokens=NEW,
+                                           temperature=1.0, seed=seed, logprobs=True,
+                                           extra_body={"return_token_ids": True})
+        choice = r.choices[0]
+        lps = [c.logprob for c in choice.logprobs.content]
+        assert len(lps) == len(choice.token_ids)
+        reason = "stop" if choice.finish_reason == "stop" else "length"
+        return Completion(list(r.prompt_token_ids), list(choice.token_ids), torch.tensor(lps, dtype=torch.float32), 0,
+                          reason)
+
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda a: chat(*a), [("12+34=", 1), ("7+8= and then " * 5, 2)]))
+    diff, total = count_diff(model, outs)
+    assert total > 0 and diff == 0
 
 
 def test_the_guard_refuses_sampling_the_logprobs_do_not_describe(server):
