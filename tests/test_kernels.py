@@ -609,6 +609,7 @@ def _script(*args):
     return subprocess.run([sys.executable, str(BENCH), *args], env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_kernels_compile_to_cuda_binaries():
     """Every kernel builds to an sm_90 cubin with Triton's own ptxas: GPU compile errors show up on CPU CI."""
     if not BENCH.exists():

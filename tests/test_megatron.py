@@ -194,6 +194,7 @@ def test_unsupported_models_are_refused_in_one_line(monkeypatch):
         MegatronPolicy(tiny_model(0, num_experts=4, moe_intermediate_size=32).config)
 
 
+@pytest.mark.slow
 def test_tp2_logprobs_equal_tp1_and_the_decoder_bit_for_bit(ranks):
     model = tiny_model(0, vocab_size=VOCAB)
     ids, lengths = batch()
@@ -207,6 +208,7 @@ def test_tp2_logprobs_equal_tp1_and_the_decoder_bit_for_bit(ranks):
 
 
 @pytest.mark.parametrize("name", TP2_FAMILIES)
+@pytest.mark.slow
 def test_family_tp2_logprobs_and_weights_equal_the_builtin_decoder_bit_for_bit(ranks, name):
     model = family_model(name)
     ids, lengths = batch()
@@ -215,6 +217,7 @@ def test_family_tp2_logprobs_and_weights_equal_the_builtin_decoder_bit_for_bit(r
 
 
 @pytest.mark.parametrize("name", PP2_FAMILIES)
+@pytest.mark.slow
 def test_family_pp2_logprobs_and_weights_equal_the_builtin_decoder_bit_for_bit(ranks, name):
     model = family_model(name)
     ids, lengths = batch()
@@ -222,6 +225,7 @@ def test_family_pp2_logprobs_and_weights_equal_the_builtin_decoder_bit_for_bit(r
     assert _same_weights(ranks[f"pp2_{name}_weights"], model.state_dict())
 
 
+@pytest.mark.slow
 def test_precision_recipes_tp2_logprobs_equal_the_builtin_decoder_bit_for_bit(ranks):
     ids, lengths = batch()
     for recipe in ("bf16", *RECIPES):
@@ -235,6 +239,7 @@ def _update(grad_shares: int):
     return [p.grad.clone() for p in lrn.model.parameters()], lrn.state_dict_copy()
 
 
+@pytest.mark.slow
 def test_dp2_gradients_equal_dp1_over_the_same_shares(ranks):
     grads, weights = _update(grad_shares=2)
     assert all(torch.equal(a, b) for a, b in zip(ranks["dp2_grads"], grads))
@@ -258,6 +263,7 @@ def _cli(run_dir, *overrides, **kw):
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+@pytest.mark.slow
 def test_train_cli_tp2_trains_with_zero_kernel_mismatch(tmp_path):
     """With a precision recipe too: the Megatron learner's quantized linears are the rollout engine's."""
     proc = _cli(tmp_path / "run", "algo.updates=3", "precision.recipe=mxfp8")
@@ -304,6 +310,7 @@ def _listening(pid: int) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_stops_the_job_in_one_line_with_the_checkpoint_intact(tmp_path):
     run_dir = tmp_path / "run"
     proc = _cli(run_dir, "algo.updates=100000", start_new_session=True)

@@ -55,6 +55,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = GRAD_REL) -> bool:
     return bool((a - b).abs().max() <= rel * b.abs().max())
 
 
+@pytest.mark.slow
 def test_cp2_logprobs_equal_cp1_and_the_decoder_bit_for_bit(ranks):
     ids, lengths = batch()
     want = model().token_logprobs(ids, lengths)
@@ -81,6 +82,7 @@ def test_cp2_logprobs_equal_cp1_and_the_decoder_bit_for_bit(ranks):
     assert not torch.equal(fast, want) and torch.allclose(fast, want, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_cp2_gradients_are_deterministic_and_equal_cp1_within_rounding(ranks):
     assert ranks["grads_same_on_ranks"] and ranks["grads_same_run_to_run"]
     ids, lengths = batch()
@@ -93,6 +95,7 @@ def test_cp2_gradients_are_deterministic_and_equal_cp1_within_rounding(ranks):
     assert ranks["arrival_order_differs"][1] > 0, "merging in ring-arrival order should change some gradients"
 
 
+@pytest.mark.slow
 def test_cp2_learner_update_matches_cp1(ranks):
     m = model()
     lrn = learner(m, Layout())
@@ -104,6 +107,7 @@ def test_cp2_learner_update_matches_cp1(ranks):
     assert all(torch.equal(ranks["rl_weights"][k], v) for k, v in ranks["rl_mirror"].items())
 
 
+@pytest.mark.slow
 def test_what_the_ring_does_not_compute_is_refused_in_one_line(ranks):
     assert "megatron.cp = 2 with kernels=fast" in ranks["fast_refused"] and "\n" not in ranks["fast_refused"]
     assert "this model has sliding-window attention" in ranks["window_refused"]
@@ -129,6 +133,7 @@ def _builtin_draft():
     return {k: v for k, v in metrics.items() if k.startswith("draft")}, grads, lrn.draft.shipped()
 
 
+@pytest.mark.slow
 def test_the_cotrained_draft_under_cp2_trains_rank_locally_as_one_process(ranks):
     """Each context-parallel rank trains its copy of the draft on its own tokens' features: the training-time
     test through the ring and rank-local branch attention (parallel.context.cp_draft_loss). Every root's loss term

@@ -54,6 +54,7 @@ def _errors(err: str) -> list[str]:
 
 
 @pytest.mark.parametrize("what", ["slow", "stop", "raise"])
+@pytest.mark.slow
 def test_the_launcher_tells_a_slow_rank_from_a_stopped_or_raising_one(what, capfd, tmp_path):
     t0 = time.monotonic()
     code = launch.start([sys.executable, "-c", RANK, what, str(tmp_path / "done")], 2, run_dir="RUN", heartbeat_s=3.0)
@@ -117,6 +118,7 @@ def _check_report(proc, run_dir, err, ranks, survivors, stores, *want):
     assert checkpoint.load_latest(run_dir / "checkpoints") is not None
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_stops_the_training_job_after_its_heartbeat_timeout(tmp_path):
     run_dir = tmp_path / "run"
     proc = _cli([sys.executable, "-m", "nemo_rz.train", "megatron.heartbeat_s=8"], run_dir)
@@ -125,6 +127,7 @@ def test_a_stopped_rank_stops_the_training_job_after_its_heartbeat_timeout(tmp_p
                   "its process was stopped")
 
 
+@pytest.mark.slow
 def test_a_raising_rank_stops_the_training_job_with_its_error(tmp_path):
     run_dir = tmp_path / "run"
     proc = _cli([sys.executable, str(ROOT / "tests" / "megatron_failing_rank.py")], run_dir)

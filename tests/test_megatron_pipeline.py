@@ -70,6 +70,7 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_pp2_logprobs_equal_pp1_and_the_decoder_bit_for_bit(ranks):
     m = model()
     b = rl_batch()[0]
@@ -84,6 +85,7 @@ def test_pp2_logprobs_equal_pp1_and_the_decoder_bit_for_bit(ranks):
     assert not torch.equal(ranks["pp2_fast"], want) and torch.allclose(ranks["pp2_fast"], want, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_over_stages_equals_the_decoder_bit_for_bit(ranks):
     m = moe_tiny().eval()
     b = rl_batch()[0]
@@ -112,6 +114,7 @@ def test_a_mixture_of_experts_over_stages_equals_the_decoder_bit_for_bit(ranks):
     assert _same(pp2["weights"], pp1["weights"])  # two updates: every stage's experts moved as at PP=1
 
 
+@pytest.mark.slow
 def test_pp2_update_equals_pp1_over_the_same_micro_batches(ranks):
     pp2, pp1 = ranks["pp2_shares2"], _pp1(2)
     assert torch.equal(pp2["lp"], pp1["lp"])
@@ -126,6 +129,7 @@ def test_pp2_update_equals_pp1_over_the_same_micro_batches(ranks):
     assert _same(one["grads"], _pp1(1)["grads"])
 
 
+@pytest.mark.slow
 def test_tied_embeddings_across_stages_equal_pp1(ranks):
     pp2, pp1 = ranks["pp2_tied"], _pp1(2, tie_word_embeddings=True)
     assert "lm_head.weight" not in pp2["grads"]
@@ -141,6 +145,7 @@ def _builtin_draft() -> dict:
     return dict(draft=lrn.draft.shipped(), loss=metrics["draft_loss"])
 
 
+@pytest.mark.slow
 def test_the_draft_trains_on_the_megatron_learner_as_on_the_builtin_one(ranks, monkeypatch):
     want = _builtin_draft()["draft"]
     assert _same(_pp1(2, with_draft=True)["draft"], want)
@@ -153,6 +158,7 @@ def test_the_draft_trains_on_the_megatron_learner_as_on_the_builtin_one(ranks, m
     assert not _same(_pp1(2, with_draft=True)["draft"], want)
 
 
+@pytest.mark.slow
 def test_train_cli_pp2_with_a_cotrained_draft_has_zero_kernel_mismatch(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "nemo_rz.train", "task.name=add1", "warmup.steps=40", "warmup.lr=0.003",

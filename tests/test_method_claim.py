@@ -27,6 +27,7 @@ def results(mc, tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_result_files_hold_series_and_summary(mc, results):
     for arm in ("rz-lag2", "std-lag8-is"):
         doc = json.loads((results / f"{arm}_s0.json").read_text())
@@ -40,6 +41,7 @@ def test_result_files_hold_series_and_summary(mc, results):
         assert "algo.max_lag=8" in doc["overrides"] if arm.startswith("std") else "algo.max_lag=2" in doc["overrides"]
 
 
+@pytest.mark.slow
 def test_kernel_mismatch_separates_the_arms(results):
     """Negative control: fast bf16 rollouts differ from the fp32 learner under the SAME weights; consistent ones
     do not. This is the decomposition the study's kernel_k3 column reads."""
@@ -49,12 +51,14 @@ def test_kernel_mismatch_separates_the_arms(results):
     assert std["kernel_diff_tokens"] > 0 and std["kernel_k3"] > 0.0
 
 
+@pytest.mark.slow
 def test_existing_result_is_skipped(mc, results):
     before = (results / "rz-lag2_s0.json").read_text()
     assert mc.run_one("tiny", "rz-lag2", 0, 2, 2, 10, results, [], 0.5) is None
     assert (results / "rz-lag2_s0.json").read_text() == before
 
 
+@pytest.mark.slow
 def test_report_parses_results(mc, results, tmp_path):
     plot = tmp_path / "mc.png"
     text = mc.report(results, plot, tmp_path / "mc.json")

@@ -389,6 +389,7 @@ def test_loss_logprobs_from_the_models_logits_equal_the_decoders_bit_for_bit():
         VocabParallelLogprobs(HEAD_VOCAB + 7)(logits, ids)
 
 
+@pytest.mark.slow
 def test_head_over_two_tensor_parallel_ranks_equals_one_process(tmp_path):
     """tests/nemo_rl_head_ranks.py over 2 ranks (gloo): the GPTModel's output layer at TP=2 (Megatron's
     ColumnParallelLinear replaced by the hook), its vocabulary shards through VocabParallelLogprobs: the Decoder's

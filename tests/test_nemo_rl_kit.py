@@ -486,6 +486,7 @@ def run_driver(tmp_path, *args, pythonpath=None, version="v0.7"):
 
 
 @pytest.mark.parametrize("version", ["v0.6", "v0.7"])
+@pytest.mark.slow
 def test_driver_runs_nemo_rl_entry_point_with_our_loss(standin, tmp_path, version):
     proc, result = run_driver(tmp_path, "reinforce_zero.correction=tis", "reinforce_zero.params.C=2.0",
                               pythonpath=str(standin), version=version)
@@ -498,6 +499,7 @@ def test_driver_runs_nemo_rl_entry_point_with_our_loss(standin, tmp_path, versio
     assert result["hf_overrides"]["nemo_rz_architecture"] == "Qwen2ForCausalLM"
 
 
+@pytest.mark.slow
 def test_driver_runs_the_megatron_override_with_nemo_rzs_layer_spec(standin, tmp_path):
     """megatron_consistent.yaml through the driver: the spec string reaches NeMo RL's setup as the function, and
     survives pickling; without the converted checkpoint the driver stops before setup."""

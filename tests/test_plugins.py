@@ -78,6 +78,7 @@ def _train(python: Path, cwd: Path, marks: Path, data: Path) -> subprocess.Compl
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_third_party_correction_and_verifier_train_by_name(tmp_path):
     pkg = tmp_path / "tiny-rz-plugin"
     pkg.mkdir()

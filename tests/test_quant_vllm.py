@@ -87,6 +87,7 @@ def test_an_invalid_precision_is_refused_before_vllm_starts():
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_current", "fp8_block", "mxfp8", "mxfp4"])
+@pytest.mark.slow
 def test_every_other_recipe_equals_the_learner_in_vllm(recipe):
     """The remaining recipes, one engine each, at a mixed batch of 16 (prompts of 1-59 tokens)."""
     for learner, engine in serve(_model(2, recipe), recipe):

@@ -51,6 +51,7 @@ def test_a_pickle_planted_in_a_checkpoint_never_runs(tmp_path, capsys):
     assert marker.read_text() == "pwned"
 
 
+@pytest.mark.slow
 def test_planted_symlinks_and_fifos_neither_hang_nor_roll_back_a_resume(tmp_path):
     run, other = tmp_path / "run", tmp_path / "other"
     assert train.main(TINY + [f"run_dir={run}", "algo.updates=3", "checkpoint.every=1", "checkpoint.keep=3"]) == 0

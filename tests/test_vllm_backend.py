@@ -248,6 +248,7 @@ def test_negative_controls_stock_vllm_and_fast_kernels_differ(qwen3):
     assert count_diff(learner, outs)[0] > 0
 
 
+@pytest.mark.slow
 def test_multiprocess_engine_through_the_entry_point(qwen3):
     """vLLM's default: engine core and worker in spawned processes, which find our model through the installed
     `vllm.general_plugins` entry point; the worker runs 1 torch thread, the learner here 2 or more."""
@@ -259,6 +260,7 @@ def test_multiprocess_engine_through_the_entry_point(qwen3):
     assert count_diff(learner, outs) == (0, 128)
 
 
+@pytest.mark.slow
 def test_short_training_run_with_the_vllm_backend(tmp_path):
     """The rollout worker builds a VLLMRolloutEngine (in-process, inside its daemon worker process) from the model
     config and the first weights; every trajectory's kernel mismatch is exactly zero."""

@@ -44,6 +44,7 @@ def root(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", ["gpt-oss", "gemma3", "qwen3-moe-sliding"])
+@pytest.mark.slow
 def test_family_equals_learner_at_batch_1_and_64_and_across_prefix_hits(family, root):
     path = _hf_dir(family, root)
     learner = load_hf(path)
@@ -62,6 +63,7 @@ def test_family_equals_learner_at_batch_1_and_64_and_across_prefix_hits(family, 
     assert count_diff(learner, cached) == (0, 8 * 12)
 
 
+@pytest.mark.slow
 def test_fast_kernels_differ(root):
     """Negative control: our model inside vLLM with the fast kernel set (library attention, expert products
     sized by each expert's load) does not reproduce the learner's bits."""

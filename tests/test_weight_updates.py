@@ -233,6 +233,7 @@ assert {f for f, _ in VLLM_CASES} == set(FAMILIES) and {d for _, d in VLLM_CASES
 @pytest.mark.vllm
 @needs_vllm
 @pytest.mark.parametrize("family, dtype", VLLM_CASES)
+@pytest.mark.slow
 def test_vllm_engine_follows_update_weights(family, dtype, root, monkeypatch):
     """One in-process engine per case: the stale negative control first, then a real update (and for bfloat16
     gpt-oss, the earlier forget, which left its float32 expert copies stale)."""
