@@ -157,3 +157,28 @@ def test_routing_matches_and_fast_mode_differs(pair):
     assert learner.keys() == rollout.keys() and all(learner[k] == rollout[k] for k in learner)
     with ops.use_kernels("fast"):
         assert count_diff(model, _generate(model, _prompts(5, 12, 30, 10), 8, 7))[0] > 0
+
+
+# -- what this increment refuses, in one line each -----------------------------------------------------------
+def test_vllm_and_quantization_refuse_v4_in_one_line(pair, tmp_path):
+    import json
+    import shutil
+
+    from nemo_rz.quant.apply import apply_precision
+
+    _, model, path = pair
+    with pytest.raises(ValueError, match="DeepSeek-V4 models are not quantized yet") as e:
+        apply_precision(load_hf(path), "fp8_block")
+    assert "\n" not in str(e.value)
+    assert apply_precision(model, "none") is model  # the control: no recipe, nothing refused
+    quantized = tmp_path / "fp8"
+    shutil.copytree(path, quantized)
+    d = json.loads((quantized / "config.json").read_text())
+    d["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="quantized DeepSeek-V4 checkpoint"):
+        load_hf(quantized)
+    backend = pytest.importorskip("nemo_rz.generation.vllm.backend")
+    with pytest.raises(ValueError, match="DeepSeek-V4 .* is not in the vLLM backend yet") as e:
+        backend.VLLMRolloutEngine(model)
+    assert "\n" not in str(e.value)

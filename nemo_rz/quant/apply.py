@@ -77,6 +77,9 @@ def apply_precision(model: nn.Module, precision: Precision | dict | str | None) 
     precision = Precision.of(precision)
     if not precision.enabled:
         return model
+    if getattr(getattr(model, "config", None), "attention_kind", None) == "deepseek_v4":
+        raise ValueError(f"precision.recipe={precision.recipe}: DeepSeek-V4 models are not quantized yet (its FP8 / "
+                         "MXFP4 layers are not built); use precision.recipe=none")
     swaps = [(parent, child_name, f"{parent_name}.{child_name}".lstrip("."), child)
              for parent_name, parent in model.named_modules() for child_name, child in parent.named_children()
              if (isinstance(child, Linear) or type(child) in FAMILIES)]

@@ -118,6 +118,9 @@ class DeepseekV4(Family):
         family_keys only)."""
         from nemo_rz.models.hf_config import read_bool
 
+        if d.get("quantization_config"):
+            raise ModelFileError(f"{source} describes a quantized DeepSeek-V4 checkpoint: nemo_rz reads V4's float "
+                                 "(bf16 / float32) weights only for now (FP8 / MXFP4 V4 tensors are not decoded); use them")
         if read_bool(d, "attention_bias", source, False) or read_bool(d, "mlp_bias", source, False):
             raise ModelFileError(f"attention_bias / mlp_bias in {source} are not supported: DeepSeek-V4 has no biases")
         rp = d.get("rope_parameters") or {}
