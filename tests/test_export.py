@@ -226,3 +226,26 @@ def test_eagle_draft_exports_beside_the_policy_and_loads_back(tmp_path):
     with pytest.raises(ValueError, match="hidden_size") as e:
         load_draft(out / DRAFT_FILE, wider)
     assert "\n" not in str(e.value)
+
+
+def test_char_tokenizer_export_encodes_unknown_characters_as_pad(tmp_path):
+    """The exported character tokenizer keeps every id of the run's CharTokenizer and encodes a character outside
+    the alphabet as <pad> (id 0) instead of raising "Missing [UNK] token" (vLLM's server answered that with HTTP 500).
+    Negative control: the same tokenizer without an unknown token raises on that character."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer
+
+    from nemo_rz.tasks.tokenizer import SPECIALS, CharTokenizer
+    from nemo_rz.tools.export import _char_tokenizer
+
+    run_tok = CharTokenizer()
+    _char_tokenizer(run_tok).save_pretrained(str(tmp_path))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    text = run_tok.chars  # every character of the alphabet, in order
+    assert hf(text)["input_ids"] == run_tok.encode(text, bos=True)
+    assert hf("12+é=3")["input_ids"] == [run_tok.bos_id, *run_tok.encode("12+"), run_tok.pad_id, *run_tok.encode("=3")]
+    assert hf.decode(hf("12+é=3")["input_ids"], skip_special_tokens=True) == "12+=3"
+    assert hf.unk_token_id == run_tok.pad_id and len(hf) == run_tok.vocab_size  # no id past the model's vocabulary
+    vocab = {s: i for i, s in enumerate(SPECIALS)} | {c: i + len(SPECIALS) for i, c in enumerate(run_tok.chars)}
+    with pytest.raises(Exception, match="Missing \\[UNK\\] token"):
+        Tokenizer(models.WordLevel(vocab, unk_token=None)).encode("é")

@@ -137,18 +137,23 @@ def _hf_path_config(cfg):
 
 def _char_tokenizer(tok):
     """A transformers fast tokenizer with the character tokenizer's ids: one token per character (ids 3...), <pad> 0,
-    <bos> 1, <eos> 2, BOS added in front as the run's prompts have it."""
+    <bos> 1, <eos> 2, BOS added in front as the run's prompts have it. A character outside the alphabet encodes as
+    <pad> (its unknown token, as GPT-2's is <|endoftext|>): the model's vocabulary has no spare id for a new <unk>
+    (an id past it would index outside the embedding inside vLLM), and without one `tokenizers` raises "Missing [UNK]
+    token", which vLLM's server answers with HTTP 500. Existing ids are unchanged; the returned token ids
+    (return_token_ids) show the substitution."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     from nemo_rz.tasks.tokenizer import BOS, EOS, PAD, SPECIALS
 
     vocab = {s: i for i, s in enumerate(SPECIALS)} | {c: i + len(SPECIALS) for i, c in enumerate(tok.chars)}
-    t = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    t = Tokenizer(models.WordLevel(vocab, unk_token=PAD))
     t.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     t.decoder = decoders.Fuse()
     t.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, tok.bos_id)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=t, bos_token=BOS, eos_token=EOS, pad_token=PAD, clean_up_tokenization_spaces=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=t, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=PAD,
+                                   clean_up_tokenization_spaces=False)
     return fast
 
 
