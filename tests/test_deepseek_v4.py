@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import count_diff, learner_routing, rollout_routing
+from conftest import count_diff, learner_routing, preset_run, rollout_routing
 
 from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
@@ -157,6 +157,29 @@ def test_routing_matches_and_fast_mode_differs(pair):
     assert learner.keys() == rollout.keys() and all(learner[k] == rollout[k] for k in learner)
     with ops.use_kernels("fast"):
         assert count_diff(model, _generate(model, _prompts(5, 12, 30, 10), 8, 7))[0] > 0
+
+
+# -- training ---------------------------------------------------------------------------------------------
+def test_deepseek_v4_tiny_preset_trains_with_zero_mismatch(tmp_path):
+    """`python -m nemo_rz.train --config deepseek_v4_tiny` (sliding, CSA and HCA layers, hash and top-k MoE)
+    trains: every update's rollout logprobs and expert choices equal the learner's. (The negative control, fast
+    kernels differing on a V4 model, is test_routing_matches_and_fast_mode_differs.)"""
+    saved, rows = preset_run("deepseek_v4_tiny", tmp_path / "run", "runtime.rollout_kernels=consistent")
+    assert "attention_kind: deepseek_v4" in saved and "heavily_compressed_attention" in saved
+    assert len(rows) == 3
+    assert all(r["kernel_diff_tokens"] == 0 and r["routing_diff_tokens"] == 0 and r["tokens"] > 0 for r in rows)
+
+
+def test_gradients_reach_every_parameter_but_the_indexer(pair):
+    """The learner's loss reaches every weight except the lightning indexer's, whose top-k selection is discrete
+    (as in transformers: the indexer is trained by its own objective, not by the LM loss)."""
+    _, _, path = pair
+    model = load_hf(path).train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.token_logprobs(_ids(2, 30), torch.tensor([30, 22])).sum().backward()
+    silent = {n for n, p in model.named_parameters() if p.grad is None or not bool(p.grad.abs().sum() > 0)}
+    assert silent and all(".indexer." in n for n in silent)
 
 
 # -- what this increment refuses, in one line each -----------------------------------------------------------

@@ -497,8 +497,9 @@ class Router(nn.Module):
     def __init__(self, cfg: DecoderConfig, hashed: bool):
         super().__init__()
         self.weight = nn.Parameter(nn.init.normal_(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=cfg.torch_dtype), std=0.02))
-        if hashed:
-            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
+        if hashed:  # a fresh model's frozen table: token t to experts (t + j) % E (checkpoints bring their own)
+            table = torch.arange(cfg.vocab_size)[:, None] + torch.arange(cfg.num_experts_per_tok)[None, :]
+            self.register_buffer("tid2eid", table % cfg.num_experts)
         else:
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
 
