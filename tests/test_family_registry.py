@@ -25,7 +25,7 @@ def test_registry_lists_exactly_the_modules_of_the_package():
     modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "base"}
     assert set(families.MODULES) == modules == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "gemma3",
                                                          "deepseek_v3", "qwen2_moe", "qwen3_next",
-                                                         "kimi_linear"}
+                                                         "kimi_linear", "deepseek_v4"}
     assert len(families.TABLE) == len(modules)
     assert list(hf_config_module.ARCHITECTURES) == list(families.TABLE)
     for name in modules:
@@ -39,7 +39,8 @@ def test_lookups():
     assert families.by_gguf_arch("qwen3moe").architecture == "Qwen3MoeForCausalLM"
     assert set(families.gguf_architectures()) == {"llama", "qwen2", "qwen3", "qwen3moe", "gemma3"}
     for arch in families.TABLE:  # every family's natural config is saved as itself
-        cfg = config_from_hf({"architectures": [arch], **SMALL})
+        v4 = dict(partial_rotary_factor=0.5, o_groups=2) if arch == "DeepseekV4ForCausalLM" else {}  # V4: 1/8 of 8 dims, 8 groups
+        cfg = config_from_hf({"architectures": [arch], **SMALL, **v4})
         if arch != "MistralForCausalLM":  # a Mistral without a window is a Llama
             assert families.for_config(cfg).architecture == arch, arch
 

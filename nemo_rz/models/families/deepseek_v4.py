@@ -132,7 +132,8 @@ class DeepseekV4(Family):
                                  "RoPE; fix config.json")
         out = {k: v for k, v in d.items() if k != "rope_scaling"}
         out.update(intermediate_size=read_int(d, "moe_intermediate_size", source, 2048),
-                   num_key_value_heads=d.get("num_key_value_heads", 1), head_dim=d.get("head_dim", 512),
+                   num_key_value_heads=1, head_dim=d.get("head_dim", 512),  # one shared head, whatever this says
+
                    rope_theta=main.get("rope_theta", d.get("rope_theta", 10000.0)))  # the generic reader's theta
         return out
 
@@ -146,9 +147,6 @@ class DeepseekV4(Family):
         if d.get("n_shared_experts", 1) != 1:
             raise ModelFileError(f"n_shared_experts={d['n_shared_experts']!r} in {source}: DeepSeek-V4 has one shared "
                                  "expert (transformers builds one whatever this says); set it to 1")
-        if d.get("num_key_value_heads", 1) != 1:
-            raise ModelFileError(f"num_key_value_heads={d['num_key_value_heads']!r} in {source}: DeepSeek-V4 shares one "
-                                 "key/value head; set it to 1")
         layers = read_int(d, "num_hidden_layers", source, required=True)
         head_dim = read_int(d, "head_dim", source, 512)
         types, mlp = _types(d, source, layers)
