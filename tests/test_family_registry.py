@@ -25,7 +25,7 @@ def test_registry_lists_exactly_the_modules_of_the_package():
     modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "base"}
     assert set(families.MODULES) == modules == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "gemma3",
                                                          "deepseek_v3", "qwen2_moe", "qwen3_next",
-                                                         "kimi_linear", "deepseek_v4"}
+                                                         "kimi_linear", "deepseek_v4", "qwen3_5"}
     assert len(families.TABLE) == len(modules)
     assert list(hf_config_module.ARCHITECTURES) == list(families.TABLE)
     for name in modules:

@@ -171,10 +171,13 @@ def model():
     return _model()
 
 
-def _decode(model, ids: torch.Tensor, prefill: int, chunk: int | None = None) -> torch.Tensor:
+def _decode(model, ids: torch.Tensor, prefill: int, chunk: int | None = None, steps: int | None = None) -> torch.Tensor:
+    """Hidden states of ids through the cache: `prefill` tokens in calls of `chunk` (one call when None), then
+    `steps` tokens (all the rest when None) one per call."""
     cache = model.new_cache(3, 256)
     slot, outs, p = 2, [], 0
-    while p < len(ids):
+    end = len(ids) if steps is None else prefill + steps
+    while p < end:
         n = min(chunk or prefill, prefill - p) if p < prefill else 1
         outs.append(model.step(ids[p:p + n], torch.arange(p, p + n), torch.full((n,), slot), cache))
         p += n
@@ -182,12 +185,12 @@ def _decode(model, ids: torch.Tensor, prefill: int, chunk: int | None = None) ->
 
 
 def test_prefill_then_decode_equals_the_full_forward(model):
-    ids = torch.randint(0, VOCAB, (132,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (136,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model.hidden(model.tokens(ids[None]))
-        for p in (1, 63, 64, 65, 130):
-            assert torch.equal(_decode(model, ids, p), full), p
-        assert torch.equal(_decode(model, ids, 132, 37), full)  # chunked prefill, never aligned with the chunks
+        for p in (1, 63, 64, 65, 130):  # 6 decode steps each: across the boundaries at 64 and 128 (and after 130)
+            assert torch.equal(_decode(model, ids, p, steps=6), full[:p + 6]), p
+        assert torch.equal(_decode(model, ids, 136, 37), full)  # chunked prefill, never aligned with the chunks
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:

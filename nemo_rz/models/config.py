@@ -26,8 +26,9 @@ MOE_KINDS = ("qwen3", "gpt_oss", "deepseek")
 # hyper-connections (models/deepseek_v4.py; its own hyper-parameters in `deepseek_v4`)
 ATTENTION_KINDS = ("gqa", "mla", "deepseek_v4")
 # the linear_attention layers (models/linear_attention.py): "gated_deltanet": Gated DeltaNet, one decay per head
-# (Qwen3-Next); "kda": Kimi Delta Attention, one decay per key channel (Kimi Linear)
-LINEAR_KINDS = ("gated_deltanet", "kda")
+# (Qwen3-Next's fused in_proj_qkvz / in_proj_ba); "gated_deltanet_split": the same with Qwen3.5's split
+# projections; "kda": Kimi Delta Attention, one decay per key channel (Kimi Linear)
+LINEAR_KINDS = ("gated_deltanet", "gated_deltanet_split", "kda")
 
 
 @dataclasses.dataclass

