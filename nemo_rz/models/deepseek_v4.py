@@ -195,9 +195,6 @@ class CompressedState:
             out[i] = layer
         return cls(out)
 
-    def elements_per_token(self, layer: int) -> int:
-        return sum(t.shape[-1] * t.shape[1] // max(self.rows[layer]["kv"].shape[1], 1) for t in self.rows[layer].values())
-
 
 def _engine(t):
     return getattr(t.cache, "compressed", None) if t.cache is not None else None
