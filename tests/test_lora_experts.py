@@ -283,3 +283,19 @@ def test_a_saved_expert_adapter_loads_into_peft_with_equal_outputs(moe_base, tmp
     back = lora.apply_lora(load_hf(moe_base, "float32"), spec)
     lora.load_weights(back, tensors)
     assert (_rz_logprobs(back) - _rz_logprobs(model)).abs().max() < 1e-5
+
+
+def test_the_memory_bound_counts_the_expert_adapters():
+    """schema.lora_params on an MoE shape: rank x (E * out + E * in) per expert product, one A with expert_a=shared;
+    attention alone leaves them out (by hand for hidden 8, moe_inter 8, 4 experts, 2 layers, rank 2)."""
+    from nemo_rz import schema
+
+    shape = schema.Shape(hidden=8, inter=16, layers=2, heads=2, kv=1, head_dim=4, vocab=10, positions=64, experts=4,
+                         topk=2, moe_inter=8)
+    per_expert = 2 * 2 * ((4 * 16 + 4 * 8) + (4 * 8 + 4 * 8))  # layers x rank x (gate_up: E*2I + E*H; down: E*H + E*I)
+    shared = 2 * 2 * ((4 * 16 + 8) + (4 * 8 + 8))
+    assert schema.lora_params(dict(rank=2, modules="experts"), shape) == per_expert == 640
+    assert schema.lora_params(dict(rank=2, modules="experts", expert_a="shared"), shape) == shared == 448
+    attention = schema.lora_params(dict(rank=2, modules="attention"), shape)
+    assert schema.lora_params(dict(rank=2, modules="all"), shape) == attention + per_expert
+    assert schema.lora_params(dict(rank=2, modules="q_proj,experts.down_proj"), shape) == 2 * 2 * (8 + 8) + 2 * 2 * 64
