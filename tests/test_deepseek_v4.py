@@ -142,7 +142,12 @@ def _generate(model, prompts, max_batch_size, prefill_chunk):
 
 @pytest.mark.parametrize("max_batch, chunk", [(1, None), (8, 5)])
 def test_engine_matches_learner(pair, max_batch, chunk):
+    """0 differing tokens; with 5-token prefill chunks the window keys and the compressors' rows are rings of 32
+    of the cache's 64 positions, and prompts of up to 30 tokens plus 12 generated ones wrap them."""
     _, model, _ = pair
+    if chunk is not None:
+        cache = model.new_cache(max_batch, 64, step_tokens=chunk)
+        assert cache.k[1].shape[2] == cache.compressed.rows[1]["kv"].shape[1] == 32 < cache.max_len
     outs = _generate(model, _prompts(max_batch, max_batch + 2, 30, 6), max_batch, chunk)
     diff, total = count_diff(model, outs)
     assert total > 0 and diff == 0

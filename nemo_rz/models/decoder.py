@@ -338,7 +338,7 @@ class Decoder(nn.Module):
         def slots(window: int | None, layer: int) -> int:
             if cfg.is_linear(layer):  # no keys: its state is a LinearState (never read or written as keys)
                 return ops.KV_BLOCK
-            if window is None or step_tokens is None or dev.type == "cuda" or v4:  # V4: keys by position
+            if window is None or step_tokens is None or dev.type == "cuda":
                 return max_len
             ring = window - 1 + step_tokens
             return min(max_len, ring + (-ring) % ops.KV_BLOCK)
@@ -360,7 +360,7 @@ class Decoder(nn.Module):
         if v4:
             from nemo_rz.models.deepseek_v4 import CompressedState
 
-            compressed = CompressedState.new(cfg, num_seqs, max_len, dev)
+            compressed = CompressedState.new(cfg, num_seqs, max_len, dev, None if dev.type == "cuda" else step_tokens)
         return KVCache(k, list(k) if latent else make(), max_len, cfg.windows(), linear, compressed)
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, seq_idx: torch.Tensor, cache: KVCache) -> torch.Tensor:

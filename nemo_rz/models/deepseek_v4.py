@@ -175,7 +175,9 @@ class CompressedState:
     rows: dict[int, dict[str, torch.Tensor]]
 
     @classmethod
-    def new(cls, cfg: DecoderConfig, num_seqs: int, max_len: int, device) -> "CompressedState":
+    def new(cls, cfg: DecoderConfig, num_seqs: int, max_len: int, device, step_tokens: int | None = None) -> "CompressedState":
+        """With `step_tokens` (the most tokens one step writes for a sequence) the per-position rows are a ring of
+        step_tokens + 2 * rate - 1 positions (rounded up to KV_BLOCK): the rows of every window a step can close."""
         v, d, dt = params(cfg), cfg.head_dim, cfg.torch_dtype
         out = {}
         for i in range(cfg.num_layers):
@@ -184,13 +186,17 @@ class CompressedState:
                 continue
             wide = 2 if v.layer_types[i] == "compressed_sparse_attention" else 1
             entries = max_len // rate + 1
-            layer = {"kv": torch.zeros(num_seqs, max_len, wide * d, dtype=dt, device=device),
-                     "gate": torch.zeros(num_seqs, max_len, wide * d, dtype=dt, device=device),
+            slots = max_len
+            if step_tokens is not None:
+                ring = step_tokens + 2 * rate - 1
+                slots = min(max_len, ring + (-ring) % _BLOCK)
+            layer = {"kv": torch.zeros(num_seqs, slots, wide * d, dtype=dt, device=device),
+                     "gate": torch.zeros(num_seqs, slots, wide * d, dtype=dt, device=device),
                      "entries": torch.zeros(num_seqs, entries, d, dtype=dt, device=device)}
             if wide == 2:
                 hi = v.index_head_dim
-                layer.update(ikv=torch.zeros(num_seqs, max_len, 2 * hi, dtype=dt, device=device),
-                             igate=torch.zeros(num_seqs, max_len, 2 * hi, dtype=dt, device=device),
+                layer.update(ikv=torch.zeros(num_seqs, slots, 2 * hi, dtype=dt, device=device),
+                             igate=torch.zeros(num_seqs, slots, 2 * hi, dtype=dt, device=device),
                              ientries=torch.zeros(num_seqs, entries, hi, dtype=dt, device=device))
             out[i] = layer
         return cls(out)
@@ -216,12 +222,13 @@ def placed(t, x: torch.Tensor) -> torch.Tensor:
 
 
 def kept(t, layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
-    """[S, L, W]: every position's row of `name` the queries of t may read, x's written at the tokens of t."""
+    """[S, L, W]: the rows of `name` the queries of t may read, position p at p % L (the engine's may be a ring),
+    x's written at the tokens of t."""
     state = _engine(t)
     if state is None:
         return placed(t, x)
     buf = state.rows[layer][name]
-    buf[t.seq_idx, t.positions] = x.to(buf.dtype)
+    buf[t.seq_idx, t.positions % buf.shape[1]] = x.to(buf.dtype)
     return buf
 
 
@@ -230,18 +237,18 @@ def _emit(kv: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, seq: torch.Tens
           norm: RMSNorm, rate: int, overlap: bool, cs) -> torch.Tensor:
     """Entries [P, D] of windows w [P] of sequences seq [P] from the per-position rows kv / gate [S, L, W]
     (W = 2D with overlap: the previous window's first halves join the window's second halves)."""
-    d = kv.shape[-1] // (2 if overlap else 1)
+    d, slots = kv.shape[-1] // (2 if overlap else 1), kv.shape[1]
     start = w * rate
     slots_kv, slots_gate = [], []
     if overlap:
         prev = (start - rate).clamp(min=0)
         for j in range(rate):
-            pos = prev + j
+            pos = (prev + j) % slots
             slots_kv.append(kv[seq, pos, :d].float())
             g = gate[seq, pos, :d].float() + bias[j, :d].float()
             slots_gate.append(g.masked_fill((w == 0).unsqueeze(-1), float("-inf")))
     for j in range(rate):
-        pos = start + j
+        pos = (start + j) % slots
         slots_kv.append(kv[seq, pos, -d:].float())
         slots_gate.append(gate[seq, pos, -d:].float() + bias[j, -d:].float())
     shift = functools.reduce(torch.maximum, slots_gate)
@@ -449,7 +456,7 @@ class DeepseekV4Attention(nn.Module):
         rows = kept(t, self.layer, "window", kv) if _engine(t) is None else _window_rows(t, self.layer, kv)
         pos = t.positions[:, None] - (window - 1) + torch.arange(window, device=x.device)[None, :]
         wpad = -(-window // _BLOCK) * _BLOCK
-        keys, visible = _gather(rows, t.seq_idx, pos, pos >= 0, wpad)
+        keys, visible = _gather(rows, t.seq_idx, pos.clamp(min=0) % rows.shape[1], pos >= 0, wpad)
         if main:
             pass
         else:
@@ -470,9 +477,10 @@ class DeepseekV4Attention(nn.Module):
 
 
 def _window_rows(t, layer: int, kv: torch.Tensor) -> torch.Tensor:
-    """The engine's window keys: KVCache.k[layer] viewed as [S, slots, D] (every position kept), written."""
+    """The engine's window keys: KVCache.k[layer] viewed as [S, slots, D] (position p at p % slots: a ring of the
+    window and one step's tokens, Decoder.new_cache), written."""
     buf = t.cache.k[layer][:, 0]
-    buf[t.seq_idx, t.positions] = kv.to(buf.dtype)
+    buf[t.seq_idx, t.positions % buf.shape[1]] = kv.to(buf.dtype)
     return buf
 
 
@@ -642,8 +650,10 @@ class DeepseekV4Block(nn.Module):
 
 
 def cache_elements_per_token(cfg: DecoderConfig) -> dict[str, float]:
-    """Cached elements per token per layer type in the built-in engine's layout (window keys, the compressors'
-    per-position rows, entries), beside an uncompressed MQA cache's head_dim."""
+    """Cached elements per token per layer type in the built-in engine's layout without rings (keys, the
+    compressors' per-position rows and the entries for every position), beside an uncompressed MQA cache's
+    head_dim. With new_cache(step_tokens=...) the keys and rows are rings of a fixed size per sequence and only
+    the entries (head_dim / rate, index_head_dim / rate) grow with the length."""
     v, d = params(cfg), cfg.head_dim
     hi = v.index_head_dim
     return {"sliding_attention": d,
