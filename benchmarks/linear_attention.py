@@ -1,11 +1,12 @@
-"""Gated DeltaNet (models/linear_attention.py) against its full-attention twin, side by side in one run:
+"""Gated DeltaNet (or, with --kind kda, Kimi Delta Attention: models/linear_attention.py) against its
+full-attention twin, side by side in one run:
 
 - learner: forward + backward of token_logprobs over one sequence of --length tokens (default 2048), the hybrid
   (linear layers as configured) vs the same model with every layer full attention; the ratio is the figure;
 - decode: built-in engine tokens/s at small batch, consistent vs fast kernels;
 - memory: the linear layers' state bytes per sequence vs a full-attention KV cache of --length tokens.
 
-python benchmarks/linear_attention.py [--length 2048] [--repeats 3] [--batch 4]
+python benchmarks/linear_attention.py [--length 2048] [--repeats 3] [--batch 4] [--kind gated_deltanet|kda]
 """
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ from nemo_rz.generation import RolloutEngine, SamplingParams
 from nemo_rz.models import Decoder, DecoderConfig
 
 
-def _cfg(linear: bool) -> DecoderConfig:
+def _cfg(linear: bool, kind: str = "gated_deltanet") -> DecoderConfig:
     types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
     return DecoderConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-                         head_dim=32, layer_types=types if linear else ["full_attention"] * 4, linear_num_key_heads=2,
-                         linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, norm="gemma",
-                         attention_output_gate=True, partial_rotary_factor=0.5, max_position_embeddings=4096)
+                         head_dim=32, layer_types=types if linear else ["full_attention"] * 4, linear_kind=kind,
+                         linear_num_key_heads=4 if kind == "kda" else 2, linear_num_value_heads=4, linear_key_head_dim=32,
+                         linear_value_head_dim=32, norm="gemma", attention_output_gate=True, partial_rotary_factor=0.5,
+                         max_position_embeddings=4096)
 
 
 def _learner(model: Decoder, ids: torch.Tensor) -> float:
@@ -39,9 +41,10 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--kind", choices=("gated_deltanet", "kda"), default="gated_deltanet")
     args = ap.parse_args()
     torch.manual_seed(0)
-    hybrid, twin = Decoder(_cfg(True)), Decoder(_cfg(False))
+    hybrid, twin = Decoder(_cfg(True, args.kind)), Decoder(_cfg(False))
     ids = torch.randint(0, 256, (1, args.length))
     _learner(hybrid, ids[:, :128]), _learner(twin, ids[:, :128])  # warm-up
     pairs = [(_learner(hybrid, ids), _learner(twin, ids)) for _ in range(args.repeats)]
@@ -58,7 +61,7 @@ def main() -> None:
             engine.generate(prompts[:1], SamplingParams(max_new_tokens=2, seed=0))
             t = time.perf_counter()
             outs = engine.generate(prompts, SamplingParams(max_new_tokens=32, seed=0))
-            rates[mode] = sum(len(o.tokens) for o in outs) / (time.perf_counter() - t)
+            rates[mode] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
     print(f"decode at batch {args.batch}: consistent {rates['consistent']:.1f} tok/s, fast {rates['fast']:.1f} tok/s "
           f"(ratio {rates['consistent'] / rates['fast']:.2f})")
 
