@@ -258,7 +258,7 @@ def _worker(rank: int, world: int) -> None:
     assert differs.item() > 0, "merging in ring-arrival order should change some bits"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 processes: the slow tier
 def test_ring_over_gloo_equals_one_process(world):
     run_ranks(_worker, world)
 
@@ -388,7 +388,7 @@ def _decoder_worker(rank: int, world: int, ref) -> None:
         assert not torch.equal(folded, flat), "adding the ranks' gradients in another order should change some bits"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 processes: the slow tier
 def test_decoder_over_gloo_equals_one_process(world):
     torch.set_num_threads(1)
     model, ids = _decoder(), _row()
@@ -578,7 +578,7 @@ def _draft_worker(rank: int, world: int, ref) -> None:
     assert any(not torch.equal(bad_grads[n], g) for n, g in grads.items()), "... and the gradients"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 processes: the slow tier
 def test_draft_loss_over_gloo_equals_one_process(world):
     """The distilled draft loss over 2 and 4 ranks: the same bits as one process (each root's term is computed
     from bit-equal attention and row-wise ops); the draft's gradients, added over ranks in a fixed tree, the
