@@ -95,7 +95,8 @@ def _decayed(q: torch.Tensor, kb: torch.Tensor, k: torch.Tensor, gc: torch.Tenso
     """(q_i . k_j exp(G_i - G_j), kb_i . k_j exp(G_i - G_j)) of each tile, [.., C, C], exact zeros for j > i. gc:
     the cumulative gates [.., C, 1] (one per head: the products of the whole tile times one decay matrix) or
     [.., C, Dk] (one per key channel: each pair's channels decayed inside the product, as one fixed-shape
-    [C, Dk] @ [Dk, 1] product per row i: exp(G_i - G_j) never splits into factors that overflow)."""
+    [C, Dk] @ [Dk, 2] product per row i, q_i and kb_i its columns: exp(G_i - G_j) never splits into factors that
+    overflow)."""
     if gc.shape[-1] == 1:
         g1 = gc.squeeze(-1)
         gamma = pointwise(torch.exp, (g1.unsqueeze(-1) - g1.unsqueeze(-2)).masked_fill(~incl, float("-inf")))
@@ -103,7 +104,8 @@ def _decayed(q: torch.Tensor, kb: torch.Tensor, k: torch.Tensor, gc: torch.Tenso
         return bmm(q, kt) * gamma, bmm(kb, kt) * gamma
     decay = pointwise(torch.exp, (gc.unsqueeze(-2) - gc.unsqueeze(-3)).masked_fill(~incl.unsqueeze(-1), float("-inf")))
     kd = k.unsqueeze(-3) * decay  # [.., i, j, Dk]: k_j decayed from j to i, zero past i
-    return bmm(kd, q.unsqueeze(-1)).squeeze(-1), bmm(kd, kb.unsqueeze(-1)).squeeze(-1)
+    both = bmm(kd, torch.stack([q, kb], dim=-1))  # [.., i, j, 2]
+    return both[..., 0], both[..., 1]
 
 
 def chunk_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
