@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from nemo_rz.ops.tiles import from_tiles, row_sum, to_tiles
 from nemo_rz.ops.verified import one_thread
 
 CHUNK = 64
@@ -95,8 +96,8 @@ def _decayed(q: torch.Tensor, kb: torch.Tensor, k: torch.Tensor, gc: torch.Tenso
     """(q_i . k_j exp(G_i - G_j), kb_i . k_j exp(G_i - G_j)) of each tile, [.., C, C], exact zeros for j > i. gc:
     the cumulative gates [.., C, 1] (one per head: the products of the whole tile times one decay matrix) or
     [.., C, Dk] (one per key channel: each pair's channels decayed inside the product, as one fixed-shape
-    [C, Dk] @ [Dk, 2] product per row i, q_i and kb_i its columns: exp(G_i - G_j) never splits into factors that
-    overflow)."""
+    element-wise products summed over Dk by ops/tiles.row_sum, fixed [32, Dk] row tiles times a column of ones, in
+    an order fixed by Dk alone: exp(G_i - G_j) never splits into factors that overflow)."""
     if gc.shape[-1] == 1:
         g1 = gc.squeeze(-1)
         gamma = pointwise(torch.exp, (g1.unsqueeze(-1) - g1.unsqueeze(-2)).masked_fill(~incl, float("-inf")))
@@ -104,8 +105,12 @@ def _decayed(q: torch.Tensor, kb: torch.Tensor, k: torch.Tensor, gc: torch.Tenso
         return bmm(q, kt) * gamma, bmm(kb, kt) * gamma
     decay = pointwise(torch.exp, (gc.unsqueeze(-2) - gc.unsqueeze(-3)).masked_fill(~incl.unsqueeze(-1), float("-inf")))
     kd = k.unsqueeze(-3) * decay  # [.., i, j, Dk]: k_j decayed from j to i, zero past i
-    both = bmm(kd, torch.stack([q, kb], dim=-1))  # [.., i, j, 2]
-    return both[..., 0], both[..., 1]
+
+    def summed(a: torch.Tensor) -> torch.Tensor:  # sum_d a_i,d kd_i,j,d: fixed row tiles times a column of ones
+        rows = (kd * a.unsqueeze(-2)).reshape(-1, kd.shape[-1])
+        return from_tiles(row_sum(to_tiles(rows)), rows.shape[0]).view(kd.shape[:-1])
+
+    return summed(q), summed(kb)
 
 
 def chunk_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
