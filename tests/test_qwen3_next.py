@@ -42,9 +42,11 @@ def _hf_dir(variant: str, root) -> str:
     cfg = transformers.Qwen3NextConfig(**{**BASE, **VARIANTS[variant]})
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # non-trivial values everywhere (A_log keeps transformers' init)
+    with torch.no_grad():  # non-trivial values everywhere; A_log drawn as transformers' init does, but seeded
         for name, p in model.named_parameters():
-            if not name.endswith("A_log"):
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=g).log())
+            else:
                 p.copy_((1.0 if name.endswith("linear_attn.norm.weight") else 0.0) + 0.15 * torch.randn(p.shape, generator=g))
     path = root / variant
     model.save_pretrained(path)
