@@ -37,7 +37,9 @@ def _hf_dir(root) -> str:
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if not name.endswith("A_log"):
+            if name.endswith("A_log"):  # transformers' init distribution, seeded: the same model every run
+                p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=g).log())
+            else:
                 p.copy_((1.0 if name.endswith("linear_attn.norm.weight") else 0.0) + 0.15 * torch.randn(p.shape, generator=g))
     model.save_pretrained(root / "qwen3_5")
     return str(root / "qwen3_5")
