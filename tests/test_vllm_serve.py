@@ -3,10 +3,11 @@
 One server for the module, on 127.0.0.1 and a free port, serving a run's export (tests/test_export.make_run: the
 default tiny job's Qwen3 over the character tokenizer, weights moved from their start). Concurrent /v1/completions
 requests of mixed prompt lengths (token-id prompts and text prompts through the exported tokenizer), and
-/v1/chat/completions requests, return token logprobs that equal the learner's `Decoder.token_logprobs` on prompt + completion as float32 (conftest.count_diff:
-all completions padded into one batch, as in training). Negative control: the same comparison against the
-learner with one weight matrix moved by one ulp finds differences. The request guard answers HTTP 400 to sampling
-the recorded logprobs would not describe; the tool refuses settings that break consistency in one line.
+/v1/chat/completions requests, return token logprobs that equal the learner's `Decoder.token_logprobs` on prompt +
+completion as float32 (conftest.count_diff: all completions padded into one batch, as in training). Negative
+control: the same comparison against the learner with one weight matrix moved by one ulp finds differences. The
+request guard answers HTTP 400 to sampling the recorded logprobs would not describe; the tool refuses settings
+that break consistency in one line.
 """
 from __future__ import annotations
 
