@@ -52,6 +52,18 @@ def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def assert_saved_reloads(model: Decoder, saved, ids: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """A checkpoint nemo-rz saved at `saved`: transformers' logits on it stay within tol of `expected`, and it loads
+    back as the same model (config and every tensor)."""
+    from nemo_rz.models import load_hf
+
+    assert (hf_logits(saved, ids) - expected).abs().max().item() < tol
+    again = load_hf(saved)
+    assert again.config == model.config
+    mine, theirs = model.state_dict(), again.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 def logit_diff(model: Decoder, ids: torch.Tensor, expected: torch.Tensor, mode: str = "consistent") -> float:
     """The largest |logit - expected| of nemo-rz's model on ids, in kernel mode `mode`."""
     with ops.use_kernels(mode), torch.no_grad():

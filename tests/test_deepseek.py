@@ -18,7 +18,7 @@ import json
 
 import pytest
 import torch
-from conftest import count_diff, hf_logits, learner_routing, logit_diff, preset_run, rollout_routing
+from conftest import assert_saved_reloads, count_diff, hf_logits, learner_routing, logit_diff, preset_run, rollout_routing
 from safetensors import safe_open
 
 from nemo_rz import ops
@@ -93,11 +93,7 @@ def test_matches_transformers_and_round_trips(variant, hf_root, tmp_path):
     with safe_open(tmp_path / "saved" / "model.safetensors", "pt") as f:  # per-expert tensors, as on the hub
         names = set(f.keys())
     assert "model.layers.2.mlp.experts.7.down_proj.weight" in names and "model.layers.2.mlp.gate.e_score_correction_bias" in names
-    assert (hf_logits(tmp_path / "saved", ids) - expected).abs().max().item() < TOL
-    again = load_hf(tmp_path / "saved")
-    assert again.config == model.config
-    mine, theirs = model.state_dict(), again.state_dict()
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert_saved_reloads(model, tmp_path / "saved", ids, expected, TOL)
 
 
 def test_kimi_k2_configs_and_mtp_layers_load(hf_root, tmp_path):

@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from conftest import count_diff, hf_logits, learner_routing, logit_diff, preset_run, rollout_routing
+from conftest import assert_saved_reloads, count_diff, hf_logits, learner_routing, logit_diff, preset_run, rollout_routing
 from safetensors.torch import save_file
 
 from nemo_rz import ops
@@ -107,11 +107,7 @@ def test_family_matches_transformers_and_round_trips(family, hf_root, tmp_path):
     save_hf(model, tmp_path / "saved")
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert saved["architectures"] == json.loads(open(f"{path}/config.json").read())["architectures"]
-    assert (hf_logits(tmp_path / "saved", ids) - expected).abs().max().item() < TOL
-    again = load_hf(tmp_path / "saved")
-    assert again.config == model.config
-    mine, theirs = model.state_dict(), again.state_dict()
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert_saved_reloads(model, tmp_path / "saved", ids, expected, TOL)
 
 
 def test_family_structure_is_read_per_layer(hf_root):

@@ -22,7 +22,7 @@ import json
 
 import pytest
 import torch
-from conftest import count_diff, hf_logits, logit_diff
+from conftest import assert_saved_reloads, count_diff, hf_logits, logit_diff
 
 from nemo_rz import ops
 from nemo_rz.generation import RolloutEngine, SamplingParams
@@ -90,11 +90,7 @@ def test_matches_transformers_and_round_trips(variant, hf_root, tmp_path):
     save_hf(model, tmp_path / "saved")
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert saved["architectures"] == ["KimiLinearForCausalLM"] and saved["layer_types"] == cfg.layer_types
-    assert (hf_logits(tmp_path / "saved", ids) - expected).abs().max().item() < TOL
-    again = load_hf(tmp_path / "saved")
-    assert again.config == model.config
-    mine, theirs = model.state_dict(), again.state_dict()
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert_saved_reloads(model, tmp_path / "saved", ids, expected, TOL)
 
 
 def test_hub_config_and_dense_names_load(hf_root, tmp_path):

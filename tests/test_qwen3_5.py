@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from conftest import hf_logits, logit_diff
+from conftest import assert_saved_reloads, hf_logits, logit_diff
 
 from nemo_rz.models import Decoder, load_hf, save_hf
 
@@ -64,11 +64,7 @@ def test_matches_transformers_and_round_trips(path, tmp_path):
     save_hf(model, tmp_path / "saved")
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert saved["architectures"] == ["Qwen3_5ForCausalLM"] and "num_experts" not in saved
-    assert (hf_logits(tmp_path / "saved", ids) - expected).abs().max().item() < TOL
-    again = load_hf(tmp_path / "saved")
-    assert again.config == cfg
-    mine, theirs = model.state_dict(), again.state_dict()
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert_saved_reloads(model, tmp_path / "saved", ids, expected, TOL)
 
 
 @pytest.mark.parametrize("regrouped", [True, False])
