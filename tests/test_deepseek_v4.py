@@ -210,3 +210,7 @@ def test_vllm_and_quantization_refuse_v4_in_one_line(pair, tmp_path):
     with pytest.raises(ValueError, match="DeepSeek-V4 .* is not in the vLLM backend yet") as e:
         backend.VLLMRolloutEngine(model)
     assert "\n" not in str(e.value)
+    from nemo_rz.tools.serve import serve_command
+
+    with pytest.raises(ValueError, match="DeepSeek-V4 .* is not in the vLLM backend yet"):  # the server: the same check
+        serve_command(path)

@@ -116,9 +116,8 @@ def serve_command(checkpoint, vllm_args: list[str] = (), *, temperature: float =
     except (TypeError, ValueError) as e:
         raise ValueError(f"--precision: {e}") from None
     cfg = config_from_hf(read_json(root / CONFIG_FILE), str(root / CONFIG_FILE), dtype)
-    if cfg.has_linear_attention:
-        raise ValueError(f"{root}: linear-attention (Gated DeltaNet) models have no recurrent-state cache in nemo-rz's "
-                         "vLLM model yet; serve it with stock vLLM (no logprob guarantee)")
+    if (why := settings.unhosted(cfg)) is not None:
+        raise ValueError(f"{root}: {why}; serve it with stock vLLM (no logprob guarantee)")
     vllm_args = list(vllm_args)
     options = _options(vllm_args)
     for name in options:

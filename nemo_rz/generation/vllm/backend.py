@@ -252,13 +252,8 @@ class VLLMRolloutEngine:
         self._tmp = None
         self.lora = LoraSpec.of(lora if lora is not None else getattr(model, "lora_spec", None))
         path, self.config, adapters = self._checkpoint(model, config, dtype)
-        if self.config.has_linear_attention:
-            raise ValueError("VLLMRolloutEngine: linear-attention (Gated DeltaNet, Kimi Delta Attention) models have no "
-                             "recurrent-state cache in "
-                             "the vLLM backend yet; use the built-in engine (generation.backend=builtin)")
-        if self.config.attention_kind == "deepseek_v4":
-            raise ValueError("VLLMRolloutEngine: DeepSeek-V4 (compressed sparse attention, hyper-connections) is not in "
-                             "the vLLM backend yet; use the built-in engine (generation.backend=builtin)")
+        if (why := settings.unhosted(self.config)) is not None:
+            raise ValueError(f"VLLMRolloutEngine: {why}; use the built-in engine (generation.backend=builtin)")
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 1024)
         if self.max_model_len > self.config.max_position_embeddings:

