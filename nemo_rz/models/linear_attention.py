@@ -252,15 +252,19 @@ class GatedDeltaNet(DeltaRuleMixer):
         super().__init__()
         dt = cfg.torch_dtype
         self.cfg, self.layer = cfg, layer
-        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.in_proj_qkvz = Linear(cfg.hidden_size, 2 * hk * dk + 2 * hv * dv, False, dt)
-        self.in_proj_ba = Linear(cfg.hidden_size, 2 * hv, False, dt)
+        hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        self.projections(cfg)
         self.conv1d = _Conv(conv_dim(cfg), cfg.linear_conv_kernel_dim, dt)
         self.dt_bias = nn.Parameter(torch.ones(hv, dtype=dt))
         self.A_log = nn.Parameter(torch.empty(hv, dtype=torch.float32).uniform_(1.0, 16.0).log().to(dt))
         self.norm = GatedNorm(dv, cfg.rms_norm_eps, dt)
         self.out_proj = Linear(hv * dv, cfg.hidden_size, False, dt)
+
+    def projections(self, cfg: DecoderConfig) -> None:
+        """The input projections, as Qwen3-Next's files hold them: in_proj_qkvz (per key head interleaved) and in_proj_ba."""
+        hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.in_proj_qkvz = Linear(cfg.hidden_size, 2 * hk * dk + 2 * hv * dv, False, cfg.torch_dtype)
+        self.in_proj_ba = Linear(cfg.hidden_size, 2 * hv, False, cfg.torch_dtype)
 
     def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
         """transformers' per-key-head interleave -> (q [N, Hk*Dk], k, v [N, Hv*Dv], z [N, Hv, Dv], b, a [N, Hv])."""
@@ -293,11 +297,9 @@ class SplitGatedDeltaNet(GatedDeltaNet):
     """Gated DeltaNet with Qwen3.5's split projections: in_proj_qkv (all q heads, all k heads, all v heads),
     in_proj_z, in_proj_b, in_proj_a; everything else is GatedDeltaNet's."""
 
-    def __init__(self, cfg: DecoderConfig, layer: int):
-        super().__init__(cfg, layer)
+    def projections(self, cfg: DecoderConfig) -> None:
         dt, hidden = cfg.torch_dtype, cfg.hidden_size
         hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        del self.in_proj_qkvz, self.in_proj_ba
         self.in_proj_qkv = Linear(hidden, conv_dim(cfg), False, dt)
         self.in_proj_z = Linear(hidden, hv * dv, False, dt)
         self.in_proj_b = Linear(hidden, hv, False, dt)
