@@ -159,15 +159,16 @@ class RolloutEngine:
         # roll back: no prefix-cache hits, no twin forks, no speculative rejections (its requests compute their prompts).
         # DeepSeek-V4's compressors' state (models/deepseek_v4.py) is not copied by prefix hits or twin forks yet:
         # its requests compute their prompts too.
-        self._linear = model.config.has_linear_attention or model.config.attention_kind == "deepseek_v4"
-        if self._linear and (policy is not None and not isinstance(policy, PlainPolicy) or speculator is not None):
-            raise ValueError("RolloutEngine: speculative decoding is not supported for linear-attention models "
-                             "(a rejected proposal cannot be taken out of the recurrent state); use plain decoding")
+        self._carried = model.config.has_linear_attention or model.config.attention_kind == "deepseek_v4"
+        if self._carried and (policy is not None and not isinstance(policy, PlainPolicy) or speculator is not None):
+            raise ValueError("RolloutEngine: speculative decoding is not supported for linear-attention models or "
+                             "DeepSeek-V4 (a rejected proposal cannot be taken out of the recurrent or compressed "
+                             "state); use plain decoding")
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len or min(model.config.max_position_embeddings, 1024)
         self.prefill_chunk = prefill_chunk
-        self.prefix_cache = PrefixCache(max_blocks=prefix_cache_blocks) if prefix_cache_blocks and not self._linear else None
+        self.prefix_cache = PrefixCache(max_blocks=prefix_cache_blocks) if prefix_cache_blocks and not self._carried else None
         self.weight_version = weight_version
         self.seed = seed
         self._requests_seen = 0
@@ -217,7 +218,7 @@ class RolloutEngine:
                 req = waiting.popleft()
                 req.slot = free.pop()
                 first = prefilling.get(tuple(req.prompt))
-                if first is not None and first.computed < len(first.prompt) and not self._linear:  # its twin computes it
+                if first is not None and first.computed < len(first.prompt) and not self._carried:  # its twin computes it
                     forks[id(first)].append(req)
                     continue
                 self._admit(req, self._prefix_hit(req), running)
